@@ -1,0 +1,76 @@
+"""Input validation shared by every layer.
+
+Every user-facing precondition is checked here and reported as a :class:`CorrnoiseError`
+that names the offending parameter, so the command line can print one line and exit
+non-zero instead of showing a traceback (DESIGN.md, "Command-line contract").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+class CorrnoiseError(ValueError):
+    """A bad input. ``str(err)`` is one line: ``<parameter>: <what is wrong and how to fix it>``."""
+
+    def __init__(self, param: str, message: str):
+        self.param = param
+        self.message = message
+        super().__init__(f"{param}: {message}")
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Return ``value`` as an int, or raise naming ``name`` if it is not an integer in range."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
+            value = int(value)
+        else:
+            raise CorrnoiseError(name, f"must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise CorrnoiseError(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise CorrnoiseError(name, f"must be <= {maximum}, got {value}")
+    return value
+
+
+def check_real(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """Return ``value`` as a finite float inside the given interval, or raise naming ``name``."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise CorrnoiseError(name, f"must be a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise CorrnoiseError(name, f"must be finite, got {value!r}")
+    lo_bad = low is not None and (x <= low if low_open else x < low)
+    hi_bad = high is not None and (x >= high if high_open else x > high)
+    if lo_bad or hi_bad:
+        lb = "(" if low_open else "["
+        hb = ")" if high_open else "]"
+        lo_s = "-inf" if low is None else f"{low:g}"
+        hi_s = "inf" if high is None else f"{high:g}"
+        raise CorrnoiseError(name, f"must lie in {lb}{lo_s}, {hi_s}{hb}, got {x:g}")
+    return x
+
+
+def check_finite_array(name: str, value: Any, ndim: int | None = None) -> np.ndarray:
+    """Return ``value`` as a float64 array with no NaN/inf (and the given number of dimensions)."""
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise CorrnoiseError(name, "must be an array of numbers") from None
+    if ndim is not None and arr.ndim != ndim:
+        raise CorrnoiseError(name, f"must be {ndim}-dimensional, got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise CorrnoiseError(name, "contains NaN or infinite entries")
+    return arr

@@ -1,0 +1,1 @@
+"""Structured lower-triangular matrices: Toeplitz series, BLT, banded and tree (layer 1)."""
