@@ -1,0 +1,13 @@
+"""Strategies (layer 2): mechanisms C and C^{-1}, column normalization, mechanism files."""
+
+from .base import Strategy
+from .colnorm import ColumnNormalized
+from .dense import Banded, Dense, Tree
+from .io import load_mechanism, save_mechanism
+from .registry import parse_strategy
+from .toeplitz import BLT, DPCGD, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
+
+__all__ = [
+    "BLT", "DPCGD", "Banded", "BandedSqrt", "ColumnNormalized", "Dense", "Identity", "Prefix",
+    "Strategy", "Toeplitz", "ToeplitzSqrt", "Tree", "load_mechanism", "parse_strategy", "save_mechanism",
+]

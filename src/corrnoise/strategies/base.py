@@ -1,0 +1,110 @@
+"""The strategy interface (layer 2): a lower-triangular C, its noising matrix C^{-1}, streams.
+
+Rows are iterations t = 0..n-1 and the noise added at step t is (C^{-1} Z)[t] (DESIGN.md).
+Each kind stores only what it needs (coefficients, a band, BLT parameters) and materializes
+n x n matrices only when asked.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..errors import CorrnoiseError, check_int
+from ..linalg.streaming import StreamingOperator, run_stream
+
+
+class Strategy(ABC):
+    """A strategy matrix C for n steps."""
+
+    kind: ClassVar[str] = "abstract"
+    n: int
+
+    # --- structure -------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """Name as used on the command line (e.g. ``bsr:4``)."""
+        return self.kind
+
+    @property
+    def rows(self) -> int:
+        """Number of rows of C (n, except for the binary tree)."""
+        return self.n
+
+    @property
+    def bands(self) -> int:
+        """Number of bands b: C[t, tau] = 0 whenever t - tau >= b (tutorial Def. 2.12)."""
+        return self.n
+
+    @property
+    def toeplitz_coefficients(self) -> np.ndarray | None:
+        """First column of C when C is Toeplitz, else None."""
+        return None
+
+    @property
+    def column_normalized(self) -> bool:
+        return False
+
+    def is_nonnegative(self) -> bool:
+        """Whether every entry of C is >= 0 (required by the amplification analyses)."""
+        return bool(np.all(self.matrix() >= 0.0))
+
+    # --- matrices ----------------------------------------------------------------------
+    @abstractmethod
+    def matrix(self) -> np.ndarray:
+        """C materialized, shape (rows, n)."""
+
+    def noising_matrix(self) -> np.ndarray:
+        """C^{-1} materialized (the matrix that correlates the noise), shape (n, rows)."""
+        return self.inverse_multiply(np.eye(self.rows))
+
+    def column_norms_squared(self) -> np.ndarray:
+        """||C[:, t]||^2 for every column t."""
+        return np.sum(self.matrix() ** 2, axis=0)
+
+    # --- products ----------------------------------------------------------------------
+    @abstractmethod
+    def multiply_stream(self) -> StreamingOperator:
+        """Streaming operator for x -> C x."""
+
+    @abstractmethod
+    def inverse_stream(self) -> StreamingOperator:
+        """Streaming operator for z -> C^{-1} z (noise generation, tutorial Eq. 2.3)."""
+
+    def multiply(self, x: np.ndarray) -> np.ndarray:
+        """C @ x (x of shape (n,) or (n, m))."""
+        return run_stream(self.multiply_stream(), self._check_rows("x", x, self.n))
+
+    def inverse_multiply(self, z: np.ndarray) -> np.ndarray:
+        """C^{-1} @ z (z of shape (n,) or (n, m))."""
+        return run_stream(self.inverse_stream(), self._check_rows("z", z, self.rows))
+
+    @staticmethod
+    def _check_rows(name: str, x: np.ndarray, rows: int) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        if x.ndim not in (1, 2) or x.shape[0] != rows:
+            raise CorrnoiseError(name, f"must have {rows} rows (one per step), got shape {x.shape}")
+        return x
+
+    # --- persistence -------------------------------------------------------------------
+    def params(self) -> dict[str, Any]:
+        """JSON-able parameters that rebuild this strategy with :meth:`from_params`."""
+        return {}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Large arrays stored beside the JSON (sibling .npz)."""
+        return {}
+
+    @classmethod
+    @abstractmethod
+    def from_params(cls, n: int, params: dict[str, Any], arrays: dict[str, np.ndarray]) -> "Strategy":
+        """Rebuild from :meth:`params` and :meth:`arrays`."""
+
+    def with_n(self, n: int) -> "Strategy":
+        """The same mechanism for n steps (n-independent kinds), or an error for n > self.n."""
+        n = check_int("n", n, minimum=1)
+        if n == self.n:
+            return self
+        raise CorrnoiseError("n", f"{self.label} was built for n = {self.n} steps and cannot be resized to {n}")

@@ -1,0 +1,86 @@
+"""Strategy names (DESIGN.md) -> strategy objects, and kind names -> classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CorrnoiseError, check_int
+from .base import Strategy
+from .colnorm import ColumnNormalized
+from .dense import Banded, Dense, Tree
+from .toeplitz import BLT, DPCGD, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
+
+KINDS: dict[str, type[Strategy]] = {
+    cls.kind: cls
+    for cls in (Identity, Prefix, ToeplitzSqrt, BandedSqrt, Toeplitz, BLT, DPCGD, Dense, Banded, Tree, ColumnNormalized)
+}
+
+NAMES_HELP = (
+    "identity, prefix, toeplitz-sqrt, bsr:B, dpcgd:BETA, tree, blt:A1,A2,...:L1,L2,..., "
+    "matrix:PATH.npy or a mechanism file (.json), optionally with a +colnorm suffix"
+)
+
+
+def kind_class(kind: str) -> type[Strategy]:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise CorrnoiseError("mechanism", f"unknown kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}") from None
+
+
+def _floats(param: str, text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v != ""]
+    except ValueError:
+        raise CorrnoiseError(param, f"cannot parse numbers from {text!r}") from None
+
+
+def parse_strategy(name: str, n: int) -> Strategy:
+    """Build the strategy called ``name`` (DESIGN.md "STRATEGY / MECHANISM names") for n steps."""
+    n = check_int("n", n, minimum=1)
+    name = str(name).strip()
+    if name.endswith("+colnorm"):
+        return ColumnNormalized(parse_strategy(name[: -len("+colnorm")], n))
+    head, _, rest = name.partition(":")
+    if name == "identity":
+        return Identity(n)
+    if name == "prefix":
+        return Prefix(n)
+    if name == "toeplitz-sqrt":
+        return ToeplitzSqrt(n)
+    if name == "tree":
+        return Tree(n)
+    if head == "bsr" and rest:
+        try:
+            bands = int(rest)
+        except ValueError:
+            raise CorrnoiseError("bands", f"bsr:B needs an integer B, got {rest!r}") from None
+        return BandedSqrt(n, bands)
+    if head == "dpcgd" and rest:
+        return DPCGD(_float("beta", rest), n)
+    if head == "blt" and rest:
+        a, _, lam = rest.partition(":")
+        return BLT(_floats("alpha", a), _floats("lambda", lam), n)
+    if head == "matrix" and rest:
+        return Dense(_load_npy(rest)).with_n(n)
+    if name.endswith(".json") or Path(name).is_file():
+        from .io import load_mechanism
+
+        return load_mechanism(name, n=n)
+    raise CorrnoiseError("strategy", f"unknown strategy {name!r}; use one of: {NAMES_HELP}")
+
+
+def _float(param: str, text: str) -> float:
+    values = _floats(param, text)
+    if len(values) != 1:
+        raise CorrnoiseError(param, f"expected one number, got {text!r}")
+    return values[0]
+
+
+def _load_npy(path: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise CorrnoiseError("matrix", f"cannot read {path!r} as a .npy array ({exc.__class__.__name__})") from None

@@ -1,0 +1,329 @@
+"""Toeplitz strategies: general, identity, prefix, A^{1/2}, banded square root, BLT, DP-CGD."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorrnoiseError, check_finite_array, check_int, check_real
+from ..linalg import blt as bltmath
+from ..linalg import toeplitz as tp
+from ..linalg.streaming import ToeplitzStream
+from .base import Strategy
+
+# Coefficient vectors up to this length go inline into the mechanism file's JSON.
+INLINE_MAX = 1024
+
+
+class Toeplitz(Strategy):
+    """Lower-triangular Toeplitz C with first column ``coefficients`` (zero-padded to n).
+
+    A coefficient vector shorter than n is a banded Toeplitz matrix (tutorial Sec. 2.4).
+    """
+
+    kind = "toeplitz"
+
+    def __init__(self, coefficients: np.ndarray, n: int, inverse_coefficients: np.ndarray | None = None):
+        self.n = check_int("n", n, minimum=1)
+        c = check_finite_array("coefficients", coefficients, ndim=1)
+        if c.size == 0 or c[0] == 0.0:
+            raise CorrnoiseError("coefficients", "c_0 must be non-zero (otherwise C is singular)")
+        length = max(tp.effective_length(c), 1)
+        self._c = c[: min(length, self.n)].copy()
+        self._given_inverse = inverse_coefficients
+
+    @property
+    def label(self) -> str:
+        return "toeplitz" if self.bands == self.n else f"banded-toeplitz:{self.bands}"
+
+    @property
+    def bands(self) -> int:
+        return int(self._c.size)
+
+    @cached_property
+    def coefficients(self) -> np.ndarray:
+        """First column of C, length n."""
+        return tp._pad(self._c, self.n)
+
+    @property
+    def toeplitz_coefficients(self) -> np.ndarray:
+        return self.coefficients
+
+    @cached_property
+    def inverse_coefficients(self) -> np.ndarray:
+        """First column of C^{-1}, length n (C^{-1} is Toeplitz too)."""
+        if self._given_inverse is not None:
+            return tp._pad(np.asarray(self._given_inverse, dtype=np.float64), self.n)
+        return tp.series_inverse(self._c, self.n)
+
+    def is_nonnegative(self) -> bool:
+        return bool(np.all(self._c >= 0.0))
+
+    def is_nonnegative_monotone(self) -> bool:
+        """c_0 >= c_1 >= ... >= 0: the condition of tutorial Lemma 3.16(c) / Eq. 3.25."""
+        c = self._c
+        return bool(np.all(c >= 0.0) and np.all(np.diff(c) <= 0.0))
+
+    def matrix(self) -> np.ndarray:
+        return tp.toeplitz_matrix(self._c, self.n)
+
+    def noising_matrix(self) -> np.ndarray:
+        return tp.toeplitz_matrix(self.inverse_coefficients, self.n)
+
+    def column_norms_squared(self) -> np.ndarray:
+        return tp.column_norms_squared(self._c, self.n)
+
+    def multiply(self, x):
+        return tp.toeplitz_matmul(self._c, self._check_rows("x", x, self.n))
+
+    def inverse_multiply(self, z):
+        z = self._check_rows("z", z, self.n)
+        if self.bands <= 64 and self._given_inverse is None:
+            return tp.toeplitz_solve(self._c, z)
+        return tp.toeplitz_matmul(self.inverse_coefficients, z)
+
+    def multiply_stream(self):
+        return ToeplitzStream(self._c, self.n)
+
+    def inverse_stream(self):
+        return ToeplitzStream(self._c, self.n, inverse=True)
+
+    def params(self) -> dict[str, Any]:
+        if self._c.size <= INLINE_MAX:
+            return {"coefficients": self._c.tolist()}
+        return {}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {} if self._c.size <= INLINE_MAX else {"coefficients": self._c}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        c = params.get("coefficients")
+        if c is None:
+            c = arrays["coefficients"]
+        return cls(np.asarray(c, dtype=np.float64), n)
+
+    def with_n(self, n: int) -> Strategy:
+        n = check_int("n", n, minimum=1)
+        if n <= self.n or self.bands < self.n:
+            return Toeplitz(self._c[:n], n)
+        return super().with_n(n)
+
+
+class Identity(Toeplitz):
+    """C = I: DP-SGD's independent noise (input perturbation, tutorial Sec. 2.1.3)."""
+
+    kind = "identity"
+
+    def __init__(self, n: int):
+        super().__init__(np.ones(1), n, inverse_coefficients=np.ones(1))
+
+    @property
+    def label(self) -> str:
+        return "identity"
+
+    def params(self):
+        return {}
+
+    def arrays(self):
+        return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(n)
+
+    def with_n(self, n):
+        return type(self)(n)
+
+
+class Prefix(Toeplitz):
+    """C = A_pre (output perturbation, tutorial Sec. 2.1.3); C^{-1} = I - S."""
+
+    kind = "prefix"
+
+    def __init__(self, n: int):
+        n = check_int("n", n, minimum=1)
+        super().__init__(np.ones(n), n, inverse_coefficients=np.array([1.0, -1.0]))
+
+    @property
+    def label(self):
+        return "prefix"
+
+    def params(self):
+        return {}
+
+    def arrays(self):
+        return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(n)
+
+    def with_n(self, n):
+        return type(self)(n)
+
+
+class ToeplitzSqrt(Toeplitz):
+    """C = A_pre^{1/2}, the max-loss-optimal Toeplitz strategy (tutorial Thm 2.5, Remark 2.6)."""
+
+    kind = "toeplitz-sqrt"
+
+    def __init__(self, n: int):
+        n = check_int("n", n, minimum=1)
+        super().__init__(tp.prefix_sqrt_coefficients(n), n, inverse_coefficients=tp.prefix_sqrt_inverse_coefficients(n))
+
+    @property
+    def label(self):
+        return "toeplitz-sqrt"
+
+    def params(self):
+        return {}
+
+    def arrays(self):
+        return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(n)
+
+    def with_n(self, n):
+        return type(self)(n)
+
+
+class BandedSqrt(Toeplitz):
+    """``bsr:B``: banded Toeplitz with the first B coefficients of A_pre^{1/2} (tutorial Thm 2.13)."""
+
+    kind = "bsr"
+
+    def __init__(self, n: int, bands: int):
+        n = check_int("n", n, minimum=1)
+        bands = check_int("bands", bands, minimum=1)
+        if bands > n:
+            raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
+        self._bands = bands
+        super().__init__(tp.prefix_sqrt_coefficients(bands), n)
+
+    @property
+    def label(self):
+        return f"bsr:{self._bands}"
+
+    def params(self):
+        return {"bands": self._bands}
+
+    def arrays(self):
+        return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(n, int(params["bands"]))
+
+    def with_n(self, n):
+        n = check_int("n", n, minimum=1)
+        return type(self)(n, min(self._bands, n))
+
+
+class BLT(Toeplitz):
+    """Buffered linear Toeplitz C = BLT(alpha, lambda) (tutorial Sec. 2.5, Eq. 2.16).
+
+    Coefficients are generated only when something needs them; losses for the prefix
+    workload use the O(d^2) closed forms of Lemma 2.29, so n can be 10^9.
+    """
+
+    kind = "blt"
+
+    def __init__(self, alpha, lam, n: int):
+        self.n = check_int("n", n, minimum=1)
+        self.alpha, self.lam = bltmath.validate_blt(alpha, lam)
+        self._given_inverse = None
+
+    @property
+    def label(self):
+        return f"blt(d={self.alpha.size})"
+
+    @property
+    def bands(self) -> int:
+        return self.n
+
+    @cached_property
+    def _c(self) -> np.ndarray:  # type: ignore[override]
+        return bltmath.blt_coefficients(self.alpha, self.lam, self.n)
+
+    def is_nonnegative(self) -> bool:
+        return bool(np.all(self._c >= 0.0))
+
+    def is_nonnegative_monotone(self) -> bool:
+        if bltmath.blt_is_nonnegative_monotone(self.alpha, self.lam):
+            return True
+        return super().is_nonnegative_monotone()
+
+    def column_norms_squared(self) -> np.ndarray:
+        return tp.column_norms_squared(self._c, self.n)
+
+    def max_column_norm_squared(self) -> float:
+        """||C||_col^2 in O(d^2) (tutorial Lemma 2.29(a))."""
+        return float(bltmath.blt_sensitivity_squared(self.alpha, self.lam, self.n))
+
+    def multiply(self, x):
+        return bltmath.blt_multiply(self.alpha, self.lam, self._check_rows("x", x, self.n))
+
+    def inverse_multiply(self, z):
+        return bltmath.blt_inverse_multiply(self.alpha, self.lam, self._check_rows("z", z, self.n))
+
+    def multiply_stream(self):
+        return bltmath.BLTStream(self.alpha, self.lam, self.n, inverse=False)
+
+    def inverse_stream(self):
+        return bltmath.BLTStream(self.alpha, self.lam, self.n, inverse=True)
+
+    def params(self):
+        return {"alpha": self.alpha.tolist(), "lambda": self.lam.tolist()}
+
+    def arrays(self):
+        return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(params["alpha"], params["lambda"], n)
+
+    def with_n(self, n):
+        return type(self)(self.alpha, self.lam, n)
+
+
+class DPCGD(BLT):
+    """DP-CGD (seed 003 Eq. 8-9): C^{-1} = I - beta S, so c_t = beta^t = BLT([beta], [beta]).
+
+    The noise at step t is z_t - beta z_{t-1}: one regenerated previous row, no extra memory.
+    """
+
+    kind = "dpcgd"
+
+    def __init__(self, beta: float, n: int):
+        self.beta = check_real("beta", beta, 0.0, 1.0, high_open=True)
+        super().__init__([self.beta], [self.beta], n)
+        self._given_inverse = np.array([1.0, -self.beta])
+
+    @property
+    def label(self):
+        return f"dpcgd:{self.beta:g}"
+
+    @cached_property
+    def inverse_coefficients(self) -> np.ndarray:
+        return tp._pad(np.array([1.0, -self.beta]), self.n)
+
+    def inverse_multiply(self, z):
+        z = self._check_rows("z", z, self.n)
+        out = z.copy()
+        out[1:] -= self.beta * z[:-1]
+        return out
+
+    def params(self):
+        return {"beta": self.beta}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(params["beta"], n)
+
+    def with_n(self, n):
+        return type(self)(self.beta, n)

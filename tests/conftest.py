@@ -1,0 +1,37 @@
+"""Shared test helpers: random instances of every strategy kind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", deadline=None, max_examples=40, derandomize=True)
+settings.load_profile("ci")
+
+
+def random_strategies(n: int, seed: int = 0):
+    """One instance of every kind for n steps (deterministic for a seed)."""
+    from corrnoise.strategies import (
+        BLT, DPCGD, Banded, BandedSqrt, ColumnNormalized, Dense, Identity, Prefix, Toeplitz, ToeplitzSqrt, Tree,
+    )
+
+    rng = np.random.default_rng(seed)
+    dense = np.tril(rng.normal(size=(n, n)))
+    dense[np.diag_indices(n)] = rng.uniform(0.5, 2.0, size=n)
+    b = min(3, n)
+    band = rng.normal(size=(n, b))
+    band[:, 0] = rng.uniform(0.5, 2.0, size=n)
+    coeffs = np.concatenate([[1.0], rng.uniform(-0.5, 0.5, size=n - 1)])
+    strategies = [
+        Identity(n), Prefix(n), ToeplitzSqrt(n), BandedSqrt(n, min(4, n)), DPCGD(0.6, n),
+        BLT(rng.uniform(0.05, 0.4, size=2), rng.uniform(0.1, 0.95, size=2), n),
+        Toeplitz(coeffs, n), Dense(dense), Banded(band), Tree(n),
+    ]
+    strategies += [ColumnNormalized(s) for s in (ToeplitzSqrt(n), Banded(band), BLT([0.3], [0.7], n), Dense(dense))]
+    return strategies
+
+
+@pytest.fixture
+def strategies_8():
+    return random_strategies(8)
