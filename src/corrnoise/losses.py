@@ -1,0 +1,161 @@
+"""Per-query error, RMS and max loss, and the sensitivity of any strategy (layer 3).
+
+Normalizations (DESIGN.md, tutorial Def. 2.3 / 2.23): with B = A C^{-1},
+``max_error = max_t ||B[t]||``, ``mean_error = ||B||_F / sqrt(n)``,
+``max_loss = sens(C, Pi) * max_error`` and ``rms_loss = sens(C, Pi) * mean_error``
+(tutorial Eq. 2.5: loss = error(B) * sens(C)).
+
+Fast paths: Toeplitz C with a Toeplitz workload gives a Toeplitz B whose first column is
+b = A-series * C^{-1}-series, so row norms are cumulative sums of b_t^2 and
+||B||_F^2 = sum_t (n - t) b_t^2 (tutorial Eq. 4.11), O(n log n); BLT with the prefix workload
+uses the O(d^2) closed forms (Lemma 2.29); everything else streams B row by row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .errors import CorrnoiseError
+from .linalg import blt as bltmath
+from .participation import Participation, Single, parse_participation
+from .sensitivity import (
+    Sensitivity,
+    sensitivity_banded,
+    sensitivity_dense,
+    sensitivity_single,
+    sensitivity_toeplitz_monotone,
+)
+from .strategies import BLT, ColumnNormalized, Strategy, Toeplitz, Tree
+from .workloads import Workload, prefix
+
+# Strategies without a structured path are materialized; beyond this n that is refused.
+MAX_DENSE_N = 8192
+
+
+@dataclass(frozen=True)
+class LossReport:
+    """The numbers ``corrnoise loss`` prints."""
+
+    strategy: str
+    n: int
+    participation: str
+    workload: str
+    rms_loss: float
+    max_loss: float
+    sensitivity: float
+    sensitivity_exact: bool
+    sensitivity_method: str
+    mean_error: float
+    max_error: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _toeplitz_b(strategy: Toeplitz, workload: Workload) -> np.ndarray:
+    """First column of the Toeplitz B = A C^{-1} (a power-series product)."""
+    return workload.apply(strategy.inverse_coefficients)
+
+
+def _is_plain_toeplitz(strategy: Strategy) -> bool:
+    return isinstance(strategy, Toeplitz) and not isinstance(strategy, ColumnNormalized)
+
+
+def _require_materializable(strategy: Strategy) -> None:
+    if strategy.n > MAX_DENSE_N:
+        raise CorrnoiseError(
+            "n", f"{strategy.label} has no structured loss path; n must be <= {MAX_DENSE_N}, got {strategy.n}"
+        )
+
+
+def decoder_matrix(strategy: Strategy, workload: Workload | None = None) -> np.ndarray:
+    """B = A C^{-1} materialized (least-squares B = A pinv(C) for the tree)."""
+    workload = workload or prefix()
+    _require_materializable(strategy)
+    return workload.apply(strategy.noising_matrix())
+
+
+def per_query_squared_error(strategy: Strategy, workload: Workload | None = None) -> np.ndarray:
+    """||B[t, :]||^2 for every step t: the variance of query t's error per unit noise_std."""
+    workload = workload or prefix()
+    if _is_plain_toeplitz(strategy):
+        return np.cumsum(_toeplitz_b(strategy, workload) ** 2)
+    return np.sum(decoder_matrix(strategy, workload) ** 2, axis=1)
+
+
+def error_summary(strategy: Strategy, workload: Workload | None = None) -> tuple[float, float]:
+    """(mean_error, max_error) = (||B||_F / sqrt(n), max_t ||B[t]||)."""
+    workload = workload or prefix()
+    n = strategy.n
+    if type(strategy).__name__ in ("BLT", "DPCGD") and workload.is_prefix:
+        assert isinstance(strategy, BLT)
+        try:
+            mean_sq = bltmath.blt_mean_error_squared(strategy.alpha, strategy.lam, n)
+            max_sq = bltmath.blt_max_error_squared(strategy.alpha, strategy.lam, n)
+            return math.sqrt(mean_sq), math.sqrt(max_sq)
+        except CorrnoiseError:
+            pass  # defective inverse parameters: fall back to the Toeplitz path below
+    if _is_plain_toeplitz(strategy):
+        b2 = _toeplitz_b(strategy, workload) ** 2
+        weights = np.arange(n, 0, -1, dtype=np.float64)
+        return math.sqrt(float(np.dot(weights, b2)) / n), math.sqrt(float(b2.sum()))
+    e = per_query_squared_error(strategy, workload)
+    return math.sqrt(float(e.mean())), math.sqrt(float(e.max()))
+
+
+def mechanism_sensitivity(strategy: Strategy, participation: Participation | str | None = None) -> Sensitivity:
+    """sens(C, Pi) by the cheapest exact path available (tutorial Sec. 3.3.5).
+
+    Single participation: the max column norm (O(d^2) for BLT, Lemma 2.29(a)). Cyclic and
+    Min-Sep: bands <= b -> Lemma 3.16(b) (exact, Alg. 3.2 for Min-Sep); Toeplitz with
+    non-negative non-increasing coefficients -> Eq. 3.25 (exact); otherwise Lemma 3.15 on the
+    materialized Gram matrix, exact when C^T C >= 0 on the patterns and an upper bound
+    otherwise (``exact=False``).
+    """
+    schema = parse_participation(participation or "single")
+    n = schema.validate(strategy.n)
+    if isinstance(schema, Single):
+        if type(strategy).__name__ in ("BLT", "DPCGD"):
+            assert isinstance(strategy, BLT)
+            return Sensitivity(math.sqrt(strategy.max_column_norm_squared()), True, "blt-closed-form")
+        return sensitivity_single(strategy.column_norms_squared())
+    if strategy.bands <= schema.b:
+        return sensitivity_banded(strategy.column_norms_squared(), schema, n, strategy.bands)
+    if _is_plain_toeplitz(strategy) and strategy.is_nonnegative_monotone():
+        return sensitivity_toeplitz_monotone(strategy.toeplitz_coefficients, schema, n)
+    _require_materializable(strategy)
+    return sensitivity_dense(strategy.matrix(), schema)
+
+
+def loss_report(
+    strategy: Strategy,
+    participation: Participation | str | None = None,
+    workload: Workload | None = None,
+) -> LossReport:
+    """Sensitivity, errors and normalized losses of ``strategy`` (DESIGN.md ``corrnoise loss``)."""
+    schema = parse_participation(participation or "single")
+    workload = workload or prefix()
+    sens = mechanism_sensitivity(strategy, schema)
+    mean_error, max_error = error_summary(strategy, workload)
+    return LossReport(
+        strategy=strategy.label,
+        n=strategy.n,
+        participation=schema.spec,
+        workload=workload.spec,
+        rms_loss=sens.value * mean_error,
+        max_loss=sens.value * max_error,
+        sensitivity=sens.value,
+        sensitivity_exact=sens.exact,
+        sensitivity_method=sens.method,
+        mean_error=mean_error,
+        max_error=max_error,
+    )
+
+
+__all__ = [
+    "LossReport", "decoder_matrix", "error_summary", "loss_report", "mechanism_sensitivity",
+    "per_query_squared_error", "Tree",
+]
