@@ -1,0 +1,85 @@
+"""The command-line contract (DESIGN.md): --json gives one object; bad input gives one line."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from corrnoise.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_loss_json_has_the_contract_fields(capsys):
+    code, out, err = run(capsys, "loss", "toeplitz-sqrt", "--n", "64", "--participation", "cyclic:4:16", "--json")
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    for key in ("rms_loss", "max_loss", "sensitivity", "mean_error", "max_error"):
+        assert isinstance(data[key], float)
+    assert data["participation"] == "cyclic:4:16"
+
+
+def test_loss_table_is_readable(capsys):
+    code, out, _ = run(capsys, "loss", "bsr:4", "--n", "32", "--workload", "momentum:0.9")
+    assert code == 0 and "rms_loss" in out and "momentum:0.9" in out
+
+
+def test_loss_of_toeplitz_sqrt_at_a_million_steps(capsys):
+    code, out, _ = run(capsys, "loss", "toeplitz-sqrt", "--n", "1000000", "--json")
+    data = json.loads(out)
+    # Tutorial Thm 2.7: Opt_Toep <= (gamma + ln n) / pi + 1.
+    assert code == 0 and data["max_loss"] <= (0.5772156649 + np.log(1e6)) / np.pi + 1
+
+
+@pytest.mark.parametrize(
+    "argv,param",
+    [
+        (["loss", "dpcgd:1.0", "--n", "8"], "beta"),
+        (["loss", "dpcgd:nan", "--n", "8"], "beta"),
+        (["loss", "identity", "--n", "0"], "n"),
+        (["loss", "identity", "--n", "-3"], "n"),
+        (["loss", "identity", "--n", "10", "--participation", "cyclic:2:3"], "participation"),
+        (["loss", "identity", "--n", "10", "--participation", "minsep:5:3"], "participation"),
+        (["loss", "identity", "--n", "10", "--participation", "weekly"], "participation"),
+        (["loss", "blt:0.2:1.0", "--n", "10"], "lambda"),
+        (["loss", "blt:0.2:-0.5", "--n", "10"], "lambda"),
+        (["loss", "identity", "--n", "10", "--workload", "momentum:1.5"], "beta"),
+        (["loss", "nosuch", "--n", "10"], "strategy"),
+        (["loss", "identity", "--n", "ten"], "--n"),
+    ],
+)
+def test_bad_input_gives_one_line_naming_the_parameter(capsys, argv, param):
+    code, out, err = run(capsys, *argv)
+    assert code != 0 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and param in lines[0] and "Traceback" not in err
+
+
+def test_bad_matrices_via_the_console_script(tmp_path):
+    path = tmp_path / "upper.npy"
+    np.save(path, np.triu(np.ones((4, 4))))
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from corrnoise.cli import main; sys.exit(main())", "loss", f"matrix:{path}", "--n", "4"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "matrix" in proc.stderr and "lower-triangular" in proc.stderr
+
+
+def test_mechanism_file_is_accepted_by_loss(capsys, tmp_path):
+    from corrnoise.strategies import BLT, save_mechanism
+
+    path = save_mechanism(BLT([0.3, 0.1], [0.99, 0.5], 100), tmp_path / "blt.json")
+    code, out, _ = run(capsys, "loss", str(path), "--n", "1000000000", "--json")
+    assert code == 0 and json.loads(out)["n"] == 10**9
+
+
+def test_demo_runs(capsys):
+    code, out, _ = run(capsys, "demo", "--n", "64", "--json")
+    assert code == 0 and len(json.loads(out)["results"]) >= 5
