@@ -136,3 +136,13 @@ def test_infeasible_participation_is_refused():
     with pytest.raises(CorrnoiseError) as err:
         loss_report(parse_strategy("identity", 10), "minsep:4:4")
     assert err.value.param == "participation"
+
+
+@pytest.mark.parametrize("workload", [prefix(), momentum(0.7, 0.2)], ids=lambda w: w.spec)
+def test_streamed_errors_match_dense_for_every_square_kind(workload):
+    from corrnoise.losses import streamed_squared_error
+
+    for s in random_strategies(17, seed=5):
+        if s.rows != s.n:
+            continue
+        assert np.allclose(streamed_squared_error(s, workload), _dense_errors(s, workload), rtol=1e-8), s.label

@@ -78,11 +78,44 @@ def decoder_matrix(strategy: Strategy, workload: Workload | None = None) -> np.n
     return workload.apply(strategy.noising_matrix())
 
 
+def streamed_squared_error(strategy: Strategy, workload: Workload | None = None) -> np.ndarray:
+    """||B[t, :]||^2 computed row by row, never holding B or C^{-1}.
+
+    Row t of C^{-1} is the strategy's inverse stream applied to the unit vectors e_0, e_1, ...
+    (tutorial Alg. 2.1 for banded C: O(n b) memory), and B = A C^{-1} follows from the banded
+    inverse of the workload: B[t] = C^{-1}[t] - sum_{j>=1} ainv_j B[t-j] (see workloads.py).
+    O(n^2 b) time for a b-banded C.
+    """
+    workload = workload or prefix()
+    n = strategy.n
+    taps = np.asarray(workload.inverse_coefficients[1:])
+    op = strategy.inverse_stream()
+    state = op.init((n,))
+    previous: list[np.ndarray] = []  # B[t-1], B[t-2], ...
+    unit = np.zeros(n)
+    out = np.empty(n)
+    for t in range(n):
+        unit[t] = 1.0
+        row, state = op.step(state, unit)
+        unit[t] = 0.0
+        for a, prev in zip(taps, previous):
+            row = row - a * prev
+        out[t] = float(row @ row)
+        previous = [row] + previous[: taps.size - 1]
+    return out
+
+
 def per_query_squared_error(strategy: Strategy, workload: Workload | None = None) -> np.ndarray:
-    """||B[t, :]||^2 for every step t: the variance of query t's error per unit noise_std."""
+    """||B[t, :]||^2 for every step t: the variance of query t's error per unit noise_std.
+
+    Toeplitz: cumulative sums of the Toeplitz B's first column squared; banded (bands < n,
+    e.g. column-normalized banded): streamed row by row; otherwise B materialized.
+    """
     workload = workload or prefix()
     if _is_plain_toeplitz(strategy):
         return np.cumsum(_toeplitz_b(strategy, workload) ** 2)
+    if strategy.rows == strategy.n and strategy.bands < strategy.n and strategy.bands <= 64:
+        return streamed_squared_error(strategy, workload)
     return np.sum(decoder_matrix(strategy, workload) ** 2, axis=1)
 
 
