@@ -1,0 +1,455 @@
+"""The accounting interface (layer 5): batching specs, results, and the method registry.
+
+Every privacy analysis in corrnoise answers the same question -- *mechanism C + batching scheme +
+noise level -> (epsilon, delta)* -- and is a plain function registered under a short name::
+
+    @register_method("mmcc", batchings=(Poisson, BlockCyclic), requires_nonnegative=True)
+    def account_mmcc(strategy, batching, noise_std, delta, **options) -> PrivacyResult: ...
+
+The values here are small and immutable, in the spirit of dp_accounting's DpEvents: a batching
+spec says *how batches are formed*; a :class:`PrivacyResult` says *what was proved*.  The
+dispatcher (:func:`corrnoise.accounting.account`) validates the common inputs (noise_std > 0,
+delta in (0, 1), the batching a method supports, non-negative C where the method needs it)
+before calling a method, so method functions may assume them.
+
+Conventions (DESIGN.md): ``noise_std`` (nu) is the standard deviation of every entry of Z in
+units of the clip norm; ``noise_multiplier`` (sigma) = nu / ||C||_col.  Zero-out (add/remove)
+adjacency.
+
+Batching specs (``--batching``):
+
+=========================  ==========================================================  ==============
+spec                       meaning                                                      value
+=========================  ==========================================================  ==============
+``none``                   fixed batches, no amplification; who participates when is    NoBatching
+                           the participation schema (``--participation``)
+``poisson:P``              every example joins every step independently w.p. P          Poisson
+``block-cyclic:BLOCKS:P``  data split into BLOCKS parts, step t Poisson-samples part       BlockCyclic
+                           t mod BLOCKS with rate P = B * BLOCKS / N (tutorial Def. 3.20)
+``balls-in-bins:BINS``     each example thrown into one of BINS bins, bin t mod BINS is   BallsInBins
+                           the batch of step t (seed 000 Sec. 2)
+=========================  ==========================================================  ==============
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from ..errors import CorrnoiseError, check_int, check_real
+from ..participation import Participation, Single, parse_participation
+
+__all__ = [
+    "Batching",
+    "NoBatching",
+    "Poisson",
+    "BlockCyclic",
+    "BallsInBins",
+    "parse_batching",
+    "PrivacyResult",
+    "MethodSpec",
+    "register_method",
+    "get_method",
+    "registered_methods",
+    "method_available",
+    "choose_method",
+    "account",
+    "KNOWN_METHODS",
+    "column_norm",
+]
+
+_BATCHING_USAGE = "expected none, poisson:P, block-cyclic:BLOCKS:P or balls-in-bins:BINS"
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching specs
+# ----------------------------------------------------------------------------------------------
+class Batching:
+    """How batches are formed.  Subclasses are frozen dataclasses with a ``spec`` string."""
+
+    __slots__ = ()
+    #: Whether the randomness of the batching is used for privacy amplification.
+    amplified: ClassVar[bool] = True
+
+    @property
+    def spec(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def _check_probability(value: Any) -> float:
+    return check_real("p", value, low=0.0, high=1.0, low_open=True)
+
+
+@dataclass(frozen=True)
+class NoBatching(Batching):
+    """No amplification: the worst case over the participation schema (tutorial Sec. 3.3)."""
+
+    participation: Participation = field(default_factory=Single)
+    amplified: ClassVar[bool] = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "participation", parse_participation(self.participation))
+
+    @property
+    def spec(self) -> str:
+        return "none"
+
+
+@dataclass(frozen=True)
+class Poisson(Batching):
+    """Poisson sampling: each example joins each step independently with probability ``p``."""
+
+    p: float
+
+    def __post_init__(self):
+        object.__setattr__(self, "p", _check_probability(self.p))
+
+    @property
+    def spec(self) -> str:
+        return f"poisson:{self.p:g}"
+
+
+@dataclass(frozen=True)
+class BlockCyclic(Batching):
+    """Block-cyclic Poisson sampling (tutorial Def. 3.20): step t samples block t mod ``blocks``
+    with probability ``p`` (= B * blocks / N for an expected batch size B out of N examples)."""
+
+    blocks: int
+    p: float
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", check_int("blocks", self.blocks, minimum=1))
+        object.__setattr__(self, "p", _check_probability(self.p))
+
+    @property
+    def spec(self) -> str:
+        return f"block-cyclic:{self.blocks}:{self.p:g}"
+
+    def steps_per_block(self, n: int) -> int:
+        """Largest number of steps that sample one block: ceil(n / blocks) (block 0)."""
+        n = check_int("n", n, minimum=1)
+        return -(-n // self.blocks)
+
+
+@dataclass(frozen=True)
+class BallsInBins(Batching):
+    """Balls-in-bins batching (seed 000 Sec. 2): every example lands in one of ``bins`` bins
+    uniformly at random, once; step t uses bin t mod ``bins``."""
+
+    bins: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "bins", check_int("bins", self.bins, minimum=1))
+
+    @property
+    def spec(self) -> str:
+        return f"balls-in-bins:{self.bins}"
+
+
+def _field(kind: str, text: str, parse: Callable[[str], Any]) -> Any:
+    try:
+        return parse(text.strip())
+    except ValueError:
+        raise CorrnoiseError("batching", f"cannot parse {text!r} in {kind}; {_BATCHING_USAGE}") from None
+
+
+def parse_batching(spec: Any, participation: Participation | str | None = None) -> Batching:
+    """Parse a ``--batching`` SPEC (a :class:`Batching` passes through).
+
+    ``participation`` is only meaningful with ``none``; with an amplified batching the
+    participation follows from the batching itself, so passing one is an error.
+    """
+    if isinstance(spec, Batching):
+        batching = spec
+    elif not isinstance(spec, str):
+        raise CorrnoiseError("batching", f"{_BATCHING_USAGE}, got {spec!r}")
+    else:
+        parts = spec.strip().lower().split(":")
+        kind, args = parts[0], parts[1:]
+        if kind == "none" and not args:
+            batching = NoBatching(parse_participation(participation or "single"))
+            return batching
+        if kind == "poisson" and len(args) == 1:
+            batching = Poisson(_field(kind, args[0], float))
+        elif kind == "block-cyclic" and len(args) == 2:
+            batching = BlockCyclic(_field(kind, args[0], int), _field(kind, args[1], float))
+        elif kind in ("balls-in-bins", "bins") and len(args) == 1:
+            batching = BallsInBins(_field(kind, args[0], int))
+        else:
+            raise CorrnoiseError("batching", f"{_BATCHING_USAGE}, got {spec!r}")
+    if participation is not None and batching.amplified:
+        raise CorrnoiseError(
+            "participation",
+            f"only used with --batching none; {batching.spec} fixes who participates when",
+        )
+    return batching
+
+
+# ----------------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrivacyResult:
+    """What an accounting method proved: the mechanism with ``noise_std`` is (epsilon, delta)-DP.
+
+    ``extras`` carries method-specific, JSON-able scalars (``gdp_mu``, ``steps``, ``std_error``,
+    ``verified`` ...); :meth:`to_dict` flattens them after the five core fields.
+    """
+
+    epsilon: float
+    delta: float
+    noise_std: float
+    noise_multiplier: float
+    method: str
+    extras: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "epsilon": float(self.epsilon),
+            "delta": float(self.delta),
+            "noise_std": float(self.noise_std),
+            "noise_multiplier": float(self.noise_multiplier),
+            "method": self.method,
+        }
+        for key, value in self.extras.items():
+            if key not in out:
+                out[key] = value
+        return out
+
+    def with_extras(self, **extras: Any) -> "PrivacyResult":
+        """A copy with more extras (later keys win)."""
+        return PrivacyResult(self.epsilon, self.delta, self.noise_std, self.noise_multiplier, self.method,
+                             {**self.extras, **extras})
+
+
+# ----------------------------------------------------------------------------------------------
+# Method registry
+# ----------------------------------------------------------------------------------------------
+AccountFn = Callable[..., PrivacyResult]
+"""``(strategy, batching, noise_std, delta, **options) -> PrivacyResult``."""
+
+CalibrateFn = Callable[..., PrivacyResult]
+"""``(strategy, batching, epsilon, delta, **options) -> PrivacyResult`` with the smallest noise."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered accounting method."""
+
+    name: str
+    account: AccountFn
+    batchings: tuple[type, ...]
+    requires_nonnegative: bool = False
+    calibrate: CalibrateFn | None = None
+    options: tuple[str, ...] = ()
+    description: str = ""
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+#: Built-in method name -> module (relative to this package) that registers it on import.
+#: Modules are imported lazily, so a method whose module is missing gives a one-line error.
+KNOWN_METHODS: dict[str, str] = {
+    "gaussian": "gaussian",
+    "pld": "dpsgd",
+    "rdp": "dpsgd",
+    "bandmf": "bandmf",
+    "mmcc": "mmcc",
+    "mc": "montecarlo",
+}
+
+
+def register_method(
+    name: str,
+    *,
+    batchings: tuple[type, ...],
+    requires_nonnegative: bool = False,
+    calibrate: CalibrateFn | None = None,
+    options: tuple[str, ...] = (),
+    description: str = "",
+) -> Callable[[AccountFn], AccountFn]:
+    """Decorator registering ``fn(strategy, batching, noise_std, delta, **options)`` as ``name``.
+
+    ``batchings``: the :class:`Batching` classes the method can analyse.
+    ``requires_nonnegative``: the dispatcher refuses a C with negative entries.
+    ``calibrate``: optional native calibration ``(strategy, batching, epsilon, delta, **options)``
+    (e.g. Monte Carlo bisection on common random numbers); otherwise the generic bisection of
+    :mod:`corrnoise.accounting.calibrate` is used.
+    ``options``: keyword options the method accepts (``samples``, ``seed``, ...); the dispatcher
+    drops options a method does not list, so one command line serves all methods.
+    """
+
+    def decorate(fn: AccountFn) -> AccountFn:
+        _REGISTRY[name] = MethodSpec(
+            name=name,
+            account=fn,
+            batchings=tuple(batchings),
+            requires_nonnegative=requires_nonnegative,
+            calibrate=calibrate,
+            options=tuple(options),
+            description=description or _first_line(fn.__doc__),
+        )
+        return fn
+
+    return decorate
+
+
+def _first_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def get_method(name: str) -> MethodSpec:
+    """The method registered as ``name``, importing its built-in module on first use."""
+    if name not in _REGISTRY and name in KNOWN_METHODS:
+        module = f"{__package__}.{KNOWN_METHODS[name]}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            raise CorrnoiseError(
+                "method", f"{name} is not available in this build (module {module} is missing); "
+                f"choose another --method"
+            ) from None
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = sorted(set(KNOWN_METHODS) | set(_REGISTRY))
+        raise CorrnoiseError("method", f"unknown method {name!r}; known: auto, {', '.join(known)}") from None
+
+
+def method_available(name: str) -> bool:
+    """Whether ``name`` can be used (its module imports and registers it)."""
+    try:
+        get_method(name)
+    except CorrnoiseError:
+        return False
+    return True
+
+
+def registered_methods() -> list[str]:
+    """Names of the methods registered so far (built-ins load lazily; see :data:`KNOWN_METHODS`)."""
+    return sorted(_REGISTRY)
+
+
+def column_norm(strategy) -> float:
+    """||C||_col = max_t ||C[:, t]|| (tutorial Sec. 1.3.1): the noise_std -> noise_multiplier scale."""
+    if hasattr(strategy, "max_column_norm_squared"):
+        value = float(strategy.max_column_norm_squared())
+    else:
+        value = float(max(strategy.column_norms_squared()))
+    if not math.isfinite(value) or value <= 0.0:
+        raise CorrnoiseError("mechanism", f"{strategy.label} has max column norm {value!r}; it must be finite and > 0")
+    return math.sqrt(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatcher
+# ----------------------------------------------------------------------------------------------
+def _supports(name: str, batching: Batching) -> bool:
+    return method_available(name) and isinstance(batching, get_method(name).batchings)
+
+
+def choose_method(strategy, batching: Batching) -> str:
+    """``--method auto`` (DESIGN.md): none -> gaussian; Poisson with a diagonal C (DP-SGD) -> pld;
+    block-cyclic with bands <= blocks -> bandmf (tutorial Thm 3.21); any other Poisson or
+    block-cyclic -> mmcc (seed 001) when available; balls-in-bins -> mc (seed 000)."""
+    batching = parse_batching(batching)
+    label, bands = strategy.label, strategy.bands
+    if not batching.amplified:
+        return "gaussian"
+    if isinstance(batching, Poisson):
+        if bands <= 1 and strategy.rows == strategy.n:
+            return "pld"
+        if _supports("mmcc", batching):
+            return "mmcc"
+        raise CorrnoiseError(
+            "method",
+            f"Poisson sampling of {label} ({bands} bands) needs MMCC, which is not available in this build; "
+            f"use --batching block-cyclic:BLOCKS:P with BLOCKS >= {bands}, or --batching none",
+        )
+    if isinstance(batching, BlockCyclic):
+        if bands <= batching.blocks:
+            return "bandmf"
+        if _supports("mmcc", batching):
+            return "mmcc"
+        raise CorrnoiseError(
+            "batching",
+            f"{label} has {bands} bands > {batching.blocks} blocks; block-cyclic amplification (tutorial "
+            f"Thm 3.21) needs bands <= blocks: use block-cyclic:{bands}:P or more, or a mechanism with fewer bands",
+        )
+    if isinstance(batching, BallsInBins):
+        if _supports("mc", batching):
+            return "mc"
+        raise CorrnoiseError("method", "balls-in-bins batching needs the Monte Carlo method (mc), "
+                             "which is not available in this build")
+    raise CorrnoiseError("batching", f"no accounting method for {batching!r}")
+
+
+def prepare(strategy, batching, delta, method: str = "auto") -> tuple[MethodSpec, Batching, float]:
+    """Validate what every method assumes; return (method, batching, delta)."""
+    batching = parse_batching(batching)
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    if not isinstance(method, str):
+        raise CorrnoiseError("method", f"expected a method name, got {method!r}")
+    name = choose_method(strategy, batching) if method == "auto" else method
+    spec = get_method(name)
+    if not isinstance(batching, spec.batchings):
+        kinds = ", ".join(sorted(_BATCHING_NAMES.get(cls, cls.__name__) for cls in spec.batchings))
+        raise CorrnoiseError("method", f"{name} does not analyse {batching.spec} batching (it handles: {kinds}); "
+                             f"use --method auto")
+    if batching.amplified:
+        if strategy.rows != strategy.n:
+            raise CorrnoiseError(
+                "mechanism", f"{strategy.label} has {strategy.rows} rows for {strategy.n} steps; amplified "
+                "accounting needs a square lower-triangular C (use --batching none)")
+        if spec.requires_nonnegative and not strategy.is_nonnegative():
+            raise CorrnoiseError(
+                "mechanism", f"{strategy.label} has negative entries; {name} amplification needs a non-negative C "
+                "(use a non-negative mechanism or --batching none)")
+    return spec, batching, delta
+
+
+_BATCHING_NAMES = {NoBatching: "none", Poisson: "poisson", BlockCyclic: "block-cyclic", BallsInBins: "balls-in-bins"}
+
+
+def method_options(spec: MethodSpec, options: dict[str, Any]) -> dict[str, Any]:
+    """The options ``spec`` accepts, without the unset (None) ones."""
+    return {k: v for k, v in options.items() if v is not None and k in spec.options}
+
+
+def resolve_noise_std(strategy, noise_std: Any = None, noise_multiplier: Any = None) -> float:
+    """noise_std from exactly one of noise_std (nu) or noise_multiplier (sigma = nu / ||C||_col)."""
+    if (noise_std is None) == (noise_multiplier is None):
+        raise CorrnoiseError("noise", "give exactly one of noise_std (--noise-std) or noise_multiplier (--sigma)")
+    if noise_std is not None:
+        return check_real("noise_std", noise_std, low=0.0, low_open=True)
+    sigma = check_real("sigma", noise_multiplier, low=0.0, low_open=True)
+    return sigma * column_norm(strategy)
+
+
+def account(strategy, batching, *, delta, noise_std=None, noise_multiplier=None, method: str = "auto",
+            **options: Any) -> PrivacyResult:
+    """(epsilon, delta) of ``strategy`` under ``batching`` with the given noise (one of
+    ``noise_std`` or ``noise_multiplier``), by ``method`` (``auto`` picks as :func:`choose_method`).
+
+    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to methods that accept them.
+    """
+    nu = resolve_noise_std(strategy, noise_std, noise_multiplier)
+    spec, batching, delta = prepare(strategy, batching, delta, method)
+    result = spec.account(strategy, batching, nu, delta, **method_options(spec, options))
+    if not isinstance(result, PrivacyResult) or math.isnan(result.epsilon):
+        raise RuntimeError(f"accounting method {spec.name} returned {result!r}")
+    return _annotate(result, strategy, batching)
+
+
+def _annotate(result: PrivacyResult, strategy, batching: Batching) -> PrivacyResult:
+    context = {"mechanism": strategy.label, "n": int(strategy.n), "batching": batching.spec}
+    return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, result.method,
+                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}})

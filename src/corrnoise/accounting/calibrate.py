@@ -1,0 +1,136 @@
+"""Calibration: the smallest noise for a target (epsilon, delta), for any accounting method.
+
+epsilon(noise_std) is non-increasing for every method (more noise never hurts privacy), so the
+smallest admissible noise is found by bracketing and then shrinking the bracket
+[lo, hi] with eps(lo) > target >= eps(hi).  The shrinking step interpolates log(eps) linearly in
+log(noise) (epsilon is close to a power law in the noise) with the Illinois safeguard, and is
+clamped away from the ends so the bracket always shrinks; it stops when eps(hi) is within
+``rtol`` of the target or the bracket is narrower than ``rtol / 10``.  The answer is always the
+upper end ``hi``, so account(calibrate(eps)) <= eps holds by construction.
+
+Methods with a native calibration (exact Gaussian inversion; Monte Carlo bisection on common
+random numbers, seed 000 Algorithm 2) register it and are used instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ..errors import CorrnoiseError, check_real
+from .base import PrivacyResult, _annotate, column_norm, method_options, prepare
+
+__all__ = ["calibrate", "calibrate_noise", "DEFAULT_RTOL"]
+
+DEFAULT_RTOL = 1e-3
+#: The search gives up beyond noise multipliers outside [1/_RANGE, _RANGE].
+_RANGE = 1e6
+
+
+def calibrate_noise(
+    epsilon_of: Callable[[float], float],
+    target: float,
+    start: float,
+    rtol: float = DEFAULT_RTOL,
+    max_evaluations: int = 200,
+) -> tuple[float, float, int]:
+    """Smallest x > 0 (up to ``rtol``) with ``epsilon_of(x) <= target``, for a non-increasing
+    ``epsilon_of``.  Returns ``(x, epsilon_of(x), evaluations)`` with ``epsilon_of(x) <= target``.
+
+    ``start`` is the first guess (the noise at noise multiplier 1, say).  Raises CorrnoiseError if
+    even ``start * 1e6`` is not enough.
+    """
+    target = check_real("epsilon", target, low=0.0, low_open=True)
+    rtol = check_real("rtol", rtol, low=0.0, high=1.0, low_open=True, high_open=True)
+    evaluations = 0
+
+    def f(x: float) -> float:
+        nonlocal evaluations
+        evaluations += 1
+        value = float(epsilon_of(x))
+        if math.isnan(value):
+            raise RuntimeError(f"epsilon is NaN at noise {x!r}")
+        return value
+
+    # --- bracket: eps(lo) > target >= eps(hi) ---------------------------------------------
+    x = float(start)
+    e = f(x)
+    if e <= target:
+        hi, e_hi = x, e
+        lo, e_lo = x, e
+        while e_lo <= target:
+            hi, e_hi = lo, e_lo
+            lo = lo / 4.0
+            if lo < start / _RANGE:  # even (almost) no noise meets the target
+                return hi, e_hi, evaluations
+            e_lo = f(lo)
+    else:
+        lo, e_lo = x, e
+        hi, e_hi = x, e
+        while e_hi > target:
+            lo, e_lo = hi, e_hi
+            hi = hi * 4.0
+            if hi > start * _RANGE:
+                raise CorrnoiseError(
+                    "epsilon", f"target {target:g} is not reached even with noise multiplier {_RANGE:g}; "
+                    "raise epsilon or delta")
+            e_hi = f(hi)
+
+    # --- shrink: Illinois regula falsi on g(log x) = log eps - log target --------------------
+    log_t = math.log(target)
+
+    def g(eps: float) -> float:
+        if eps <= 0.0:
+            return -50.0
+        return math.log(eps) - log_t if math.isfinite(eps) else 50.0
+
+    a, b = math.log(lo), math.log(hi)
+    ga, gb = g(e_lo), g(e_hi)  # ga > 0 >= gb
+    side = 0
+    while evaluations < max_evaluations:
+        if e_hi >= target * (1.0 - rtol) or b - a <= rtol / 10.0:
+            break
+        width = b - a
+        m = a + ga * width / (ga - gb) if ga - gb > 0 else a + width / 2
+        m = min(max(m, a + 0.05 * width), b - 0.05 * width)
+        x = math.exp(m)
+        e = f(x)
+        gm = g(e)
+        if e <= target:
+            b, gb, hi, e_hi = m, gm, x, e
+            if side == -1:
+                ga /= 2.0
+            side = -1
+        else:
+            a, ga, lo, e_lo = m, gm, x, e
+            if side == 1:
+                gb /= 2.0
+            side = 1
+    return hi, e_hi, evaluations
+
+
+def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol: float = DEFAULT_RTOL,
+              **options: Any) -> PrivacyResult:
+    """The smallest noise_std for which ``strategy`` under ``batching`` is (epsilon, delta)-DP.
+
+    Uses the method's native calibration when it has one, else :func:`calibrate_noise` on its
+    ``account`` function.  The result is the accounting at the returned noise (its ``epsilon``
+    is <= the target) with ``target_epsilon`` and ``calibration_evaluations`` in ``extras``.
+    """
+    target = check_real("epsilon", epsilon, low=0.0, low_open=True)
+    spec, batching, delta = prepare(strategy, batching, delta, method)
+    opts = method_options(spec, options)
+    if spec.calibrate is not None:
+        result = spec.calibrate(strategy, batching, target, delta, **opts)
+        return _annotate(result.with_extras(target_epsilon=target), strategy, batching)
+
+    cache: dict[float, PrivacyResult] = {}
+
+    def epsilon_of(noise_std: float) -> float:
+        cache[noise_std] = spec.account(strategy, batching, noise_std, delta, **opts)
+        return cache[noise_std].epsilon
+
+    noise_std, _, evaluations = calibrate_noise(epsilon_of, target, start=column_norm(strategy), rtol=rtol)
+    result = cache[noise_std].with_extras(target_epsilon=target, calibration_evaluations=evaluations,
+                                          calibration_rtol=rtol)
+    return _annotate(result, strategy, batching)

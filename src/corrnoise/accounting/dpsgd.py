@@ -1,0 +1,126 @@
+"""DP-SGD with Poisson sampling (methods ``pld`` and ``rdp``).
+
+DP-SGD (C = I, or any diagonal C) with Poisson sampling at rate p for ``steps`` steps is the
+adaptive composition of ``steps`` Poisson-subsampled Gaussian mechanisms with noise multiplier
+sigma = noise_std / ||C||_col (tutorial Sec. 1.2 and 3.4; each step's sensitivity is
+|C[t, t]| <= ||C||_col).  Its (epsilon, delta) comes from dp_accounting (installed from the
+registry): the privacy-loss-distribution accountant (``pld``, pessimistic discretization, the
+default) or the Renyi accountant (``rdp``, looser, for comparison).  Add/remove adjacency.
+
+The same numbers serve amplified banded MF (:mod:`corrnoise.accounting.bandmf`), which reduces
+block-cyclic sampling to DP-SGD with fewer steps (tutorial Thm 3.21).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+from ..errors import CorrnoiseError, check_int, check_real
+from .base import BlockCyclic, Poisson, PrivacyResult, register_method
+
+__all__ = ["ACCOUNTANTS", "DEFAULT_DISCRETIZATION", "dpsgd_event", "dpsgd_epsilon", "account_pld", "account_rdp"]
+
+ACCOUNTANTS = ("pld", "rdp")
+#: dp_accounting's PLD value discretization interval (its default): pessimistic, ~1e-4 in epsilon.
+DEFAULT_DISCRETIZATION = 1e-4
+
+
+def dpsgd_event(noise_multiplier: float, sampling_probability: float, steps: int):
+    """The dp_accounting event of DP-SGD: ``steps`` x PoissonSampled(p, Gaussian(sigma))."""
+    import dp_accounting
+
+    sigma = check_real("sigma", noise_multiplier, low=0.0, low_open=True)
+    p = check_real("p", sampling_probability, low=0.0, high=1.0, low_open=True)
+    steps = check_int("steps", steps, minimum=1)
+    step = dp_accounting.GaussianDpEvent(sigma)
+    if p < 1.0:
+        step = dp_accounting.PoissonSampledDpEvent(p, step)
+    return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """dp_accounting's RDP code logs convergence warnings through absl; keep stderr to one line."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def dpsgd_epsilon(
+    noise_multiplier: float,
+    sampling_probability: float,
+    steps: int,
+    delta: float,
+    accountant: str = "pld",
+    discretization: float = DEFAULT_DISCRETIZATION,
+) -> float:
+    """epsilon of DP-SGD (noise multiplier sigma, Poisson rate p, ``steps`` steps) at ``delta``.
+
+    ``accountant="pld"``: dp_accounting ``PLDAccountant`` (add/remove, pessimistic,
+    ``value_discretization_interval=discretization``); at p = 1 the composition of Gaussians is
+    exactly sqrt(steps)/sigma-GDP (tutorial Lemma 3.19) and the exact GDP profile is used instead.
+    ``accountant="rdp"``: dp_accounting ``RdpAccountant`` with its default orders.
+    """
+    import dp_accounting
+    from dp_accounting import pld, rdp
+
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    event = dpsgd_event(noise_multiplier, sampling_probability, steps)
+    if accountant == "pld":
+        if sampling_probability == 1.0:
+            from .gaussian import gaussian_epsilon
+
+            return gaussian_epsilon(delta, math.sqrt(steps) / noise_multiplier)
+        discretization = check_real("discretization", discretization, low=0.0, low_open=True)
+        acc = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                value_discretization_interval=discretization)
+    elif accountant == "rdp":
+        acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    else:
+        raise CorrnoiseError("accountant", f"expected one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+    with _quiet_absl():
+        acc.compose(event)
+        eps = float(acc.get_epsilon(delta))
+    return max(eps, 0.0)
+
+
+def _account_dpsgd(strategy, batching, noise_std, delta, accountant, discretization) -> PrivacyResult:
+    if isinstance(batching, BlockCyclic):  # DP-SGD accounting of block-cyclic sampling = Thm 3.21
+        from .bandmf import account_bandmf
+
+        result = account_bandmf(strategy, batching, noise_std, delta, accountant=accountant,
+                                discretization=discretization)
+        return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, accountant,
+                             result.extras)
+    if strategy.bands > 1:
+        raise CorrnoiseError(
+            "method",
+            f"{accountant} accounts DP-SGD (diagonal C) under Poisson sampling, but {strategy.label} has "
+            f"{strategy.bands} bands: use --method mmcc, or --batching block-cyclic:{strategy.bands}:P",
+        )
+    from .bandmf import dpsgd_equivalent
+
+    eq = dpsgd_equivalent(strategy, batching, noise_std)
+    eps = dpsgd_epsilon(eq.noise_multiplier, eq.sampling_probability, eq.steps, delta, accountant, discretization)
+    return PrivacyResult(eps, delta, noise_std, eq.noise_multiplier, accountant,
+                         {**eq.to_extras(), "accountant": accountant})
+
+
+@register_method("pld", batchings=(Poisson, BlockCyclic), options=("discretization",),
+                 description="DP-SGD with Poisson sampling: dp_accounting PLD accountant")
+def account_pld(strategy, batching, noise_std, delta, discretization: float = DEFAULT_DISCRETIZATION):
+    """DP-SGD (diagonal C) with Poisson sampling, privacy loss distributions (dp_accounting)."""
+    return _account_dpsgd(strategy, batching, noise_std, delta, "pld", discretization)
+
+
+@register_method("rdp", batchings=(Poisson, BlockCyclic),
+                 description="DP-SGD with Poisson sampling: dp_accounting RDP accountant")
+def account_rdp(strategy, batching, noise_std, delta):
+    """DP-SGD (diagonal C) with Poisson sampling, Renyi DP (dp_accounting; looser than PLD)."""
+    return _account_dpsgd(strategy, batching, noise_std, delta, "rdp", DEFAULT_DISCRETIZATION)
