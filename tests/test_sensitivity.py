@@ -375,7 +375,9 @@ def test_dp_relaxation_bounds_enumeration(case, seed, signed):
     G = C.T @ C
     enum = sensitivity_from_gram(G, schema, n)
     relax = dp_relaxation_bound(G, schema, n)
-    assert relax.method == "dp-relaxation-upper-bound"
+    assert relax.method.startswith("dp-relaxation-")
+    if relax.exact:
+        assert close(relax.value, enum.value)
     assert relax.squared >= enum.squared * (1 - 1e-12)
     # crude bound: k * max_t sum of the k largest |G[t, :]| entries
     A = np.sort(np.abs(G), axis=1)[:, ::-1]
@@ -385,8 +387,10 @@ def test_dp_relaxation_bounds_enumeration(case, seed, signed):
         forced = sensitivity_from_gram(G, schema, n, max_patterns=0)
         t, tau = np.indices(G.shape)
         if np.any(G[np.abs(t - tau) >= schema.b]):
-            assert forced.method == "dp-relaxation-upper-bound" and not forced.exact
-            assert close(forced.value, relax.value)
+            assert forced.method.startswith("dp-relaxation-") and close(forced.value, relax.value)
+            assert forced.exact == (forced.method == "dp-relaxation-tight")
+            if forced.exact:  # certified by an allowed pattern attaining the bound
+                assert close(forced.value, enum.value)
         else:  # no pair of steps b apart (b >= n): the banded DP is exact
             assert forced.method == "banded-dp" and forced.exact
             assert close(forced.value, enum.value)
@@ -431,6 +435,15 @@ def test_dp_relaxation_used_for_large_minsep():
     # Lemma 3.16(a): the early-and-often pattern is a lower bound for C^T C >= 0
     v = C[:, [0, 3, 6, 9]].sum(axis=1)
     assert res.squared >= v @ v
+    # Toeplitz with monotone coefficients: a valid (not tight) bound above Eq. 3.25
+    coeffs = 1.0 / np.sqrt(np.arange(1, n + 1))
+    loose = sensitivity_dense(toeplitz(coeffs, n), schema)
+    assert loose.value >= sensitivity_toeplitz_monotone(coeffs, schema, n).value
+    # rank one, non-negative: M = g g^T, w_t = g_t * S*, bound = S*^2 attained by the DP pattern
+    g, h = rng.random(n), rng.random(5)
+    tight = sensitivity_dense(np.outer(h, g), schema)
+    assert tight.method == "dp-relaxation-tight" and tight.exact
+    assert close(tight.squared, (h @ h) * max_reward_min_sep(g, schema.b, schema.k) ** 2)
 
 
 @pytest.mark.parametrize("n", [1, 5, 12])

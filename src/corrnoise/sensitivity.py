@@ -24,6 +24,8 @@ Methods:
 ``enumeration-abs-upper-bound``   Lemma 3.15(a) over all patterns (negative entries on a pattern)
 ``dp-relaxation-upper-bound``     Min-Sep with too many patterns: per-row DP then DP on the
                                   row bounds (see :func:`dp_relaxation_bound`)
+``dp-relaxation-tight``           the same bound, certified exact because an allowed pattern
+                                  attains it
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ DEFAULT_MAX_PATTERNS = 200_000
 _NEG_RTOL = 1e-12
 # Relative slack accepted in the monotonicity check of Toeplitz coefficients.
 _MONO_RTOL = 1e-12
+# Relative slack for "the relaxation bound is attained by an allowed pattern".
+_CERT_RTOL = 1e-12
 # Elements per temporary block in the vectorized enumeration / relaxation.
 _BLOCK_ELEMS = 1 << 22
 
@@ -363,7 +367,10 @@ def dp_relaxation_bound(gram, schema, n: int) -> Sensitivity:
     ``sum_{t, tau in pi} a[t, tau] <= sum_{t in pi} w_t``, so
     ``sens^2 <= max_{pi} sum_{t in pi} w_t`` (Algorithm 3.2 on ``w``; Cyclic is a subset of
     Min-Sep with the same ``k, b``).  Exact for Min-Sep when ``gram[t, tau] = 0`` for
-    ``|t - tau| >= b`` (banded ``C``), where ``w_t = gram[t, t]``.
+    ``|t - tau| >= b`` (banded ``C``), where ``w_t = gram[t, t]``.  Also exact (method
+    ``dp-relaxation-tight``) when an allowed pattern -- the DP's maximizer or the early-and-often
+    pattern ``(0, b, ..., (k-1) b)`` -- attains the bound with ``1^T gram[pi, pi] 1``, a lower
+    bound on ``sens^2`` for any signs (e.g. Toeplitz with monotone non-negative coefficients).
     """
     schema = _schema(schema)
     n = schema.validate(n)
@@ -374,9 +381,19 @@ def dp_relaxation_bound(gram, schema, n: int) -> Sensitivity:
         raise CorrnoiseError("participation", f"unsupported schema {schema!r}")
     k, b = schema.k, schema.b
     w = _row_bounds(np.abs(g), b, k)
-    value = math.sqrt(max_reward_min_sep(w, b, k))
-    exact = isinstance(schema, MinSep) and _separated_zero(g, b)
-    return Sensitivity(value, exact, "dp-relaxation-upper-bound")
+    bound_sq, best = argmax_reward_min_sep(w, b, k)
+    value = math.sqrt(bound_sq)
+    if isinstance(schema, MinSep) and _separated_zero(g, b):
+        return Sensitivity(value, True, "dp-relaxation-upper-bound")
+    # Certificate: any allowed pattern pi gives sens^2 >= 1^T gram[pi, pi] 1 = ||C[:, pi] 1||^2
+    # (all u_t equal).  If one attains the bound, the bound is the sensitivity.
+    candidates = [tuple(range(0, min(n, k * b), b))]  # early-and-often, in both schemas
+    if isinstance(schema, MinSep) or (best[0] < b and best == tuple(range(best[0], n, b))[:k]):
+        candidates.append(best)
+    achieved = max(float(g[np.ix_(p, p)].sum()) for p in candidates)
+    if achieved >= bound_sq * (1.0 - _CERT_RTOL):
+        return Sensitivity(value, True, "dp-relaxation-tight")
+    return Sensitivity(value, False, "dp-relaxation-upper-bound")
 
 
 def sensitivity_from_gram(
