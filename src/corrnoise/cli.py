@@ -96,6 +96,10 @@ def demo(n: int, as_json: bool) -> None:
     Console().print(table)
 
 
+from .accounting.command import account_command  # noqa: E402
+cli.add_command(account_command)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: turns every bad input into one line on stderr."""
     try:
