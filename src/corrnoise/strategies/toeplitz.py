@@ -112,17 +112,12 @@ class Toeplitz(Strategy):
         return super().with_n(n)
 
 
-class Identity(Toeplitz):
-    """C = I: DP-SGD's independent noise (input perturbation, tutorial Sec. 2.1.3)."""
-
-    kind = "identity"
-
-    def __init__(self, n: int):
-        super().__init__(np.ones(1), n, inverse_coefficients=np.ones(1))
+class _ParameterFree(Toeplitz):
+    """A Toeplitz strategy fully determined by its kind and n (nothing to store in files)."""
 
     @property
     def label(self) -> str:
-        return "identity"
+        return self.kind
 
     def params(self):
         return {}
@@ -138,7 +133,17 @@ class Identity(Toeplitz):
         return type(self)(n)
 
 
-class Prefix(Toeplitz):
+class Identity(_ParameterFree):
+    """C = I: DP-SGD's independent noise (input perturbation, tutorial Sec. 2.1.3)."""
+
+    kind = "identity"
+
+    def __init__(self, n: int):
+        super().__init__(np.ones(1), n, inverse_coefficients=np.ones(1))
+
+
+
+class Prefix(_ParameterFree):
     """C = A_pre (output perturbation, tutorial Sec. 2.1.3); C^{-1} = I - S."""
 
     kind = "prefix"
@@ -147,25 +152,9 @@ class Prefix(Toeplitz):
         n = check_int("n", n, minimum=1)
         super().__init__(np.ones(n), n, inverse_coefficients=np.array([1.0, -1.0]))
 
-    @property
-    def label(self):
-        return "prefix"
-
-    def params(self):
-        return {}
-
-    def arrays(self):
-        return {}
-
-    @classmethod
-    def from_params(cls, n, params, arrays):
-        return cls(n)
-
-    def with_n(self, n):
-        return type(self)(n)
 
 
-class ToeplitzSqrt(Toeplitz):
+class ToeplitzSqrt(_ParameterFree):
     """C = A_pre^{1/2}, the max-loss-optimal Toeplitz strategy (tutorial Thm 2.5, Remark 2.6)."""
 
     kind = "toeplitz-sqrt"
@@ -174,22 +163,6 @@ class ToeplitzSqrt(Toeplitz):
         n = check_int("n", n, minimum=1)
         super().__init__(tp.prefix_sqrt_coefficients(n), n, inverse_coefficients=tp.prefix_sqrt_inverse_coefficients(n))
 
-    @property
-    def label(self):
-        return "toeplitz-sqrt"
-
-    def params(self):
-        return {}
-
-    def arrays(self):
-        return {}
-
-    @classmethod
-    def from_params(cls, n, params, arrays):
-        return cls(n)
-
-    def with_n(self, n):
-        return type(self)(n)
 
 
 class BandedSqrt(Toeplitz):
