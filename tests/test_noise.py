@@ -213,3 +213,24 @@ def test_bad_inputs_raise_corrnoise_errors():
         make_generator(s, 11, seed=1).load_state_dict(state)
     with pytest.raises(CorrnoiseError, match="t"):
         gen.seek(N + 1)
+
+
+def test_bench_noise_command_json():
+    import json
+
+    from click.testing import CliRunner
+
+    from corrnoise.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", "noise", "--dim", "3000", "--steps", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    rows = {r["mechanism"]: r for r in data["results"]}
+    assert list(rows) == ["dpsgd", "banded:4", "banded:16", "banded:64", "blt:4", "dpcgd", "toeplitz"]
+    assert all(r["seconds_per_step"] > 0 for r in rows.values())
+    assert rows["dpsgd"]["extra_memory_bytes"] == 0
+    assert rows["banded:16"]["extra_memory_bytes"] >= 15 * 3000 * 4
+    assert rows["blt:4"]["extra_memory_bytes"] >= 4 * 3000 * 4
+    assert rows["dpcgd"]["generator"] == "dpcgd" and rows["toeplitz"]["generator"] == "regenerate"
+    bad = CliRunner().invoke(cli, ["bench", "noise", "--dim", "10", "--mechanisms", "nope", "--json"])
+    assert bad.exit_code != 0 and isinstance(bad.exception, CorrnoiseError)

@@ -98,6 +98,8 @@ def demo(n: int, as_json: bool) -> None:
 
 from .accounting.command import account_command  # noqa: E402
 cli.add_command(account_command)
+from .noise.bench import bench_group  # noqa: E402
+cli.add_command(bench_group)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,19 +1,30 @@
-"""Training-time noise (layer 6): counter-seeded noise Z and streaming generators of C^{-1} Z."""
+"""Training-time noise (layer 6): counter-seeded noise Z and streaming generators of C^{-1} Z.
 
-from .generators import (
-    BandedGenerator,
-    BLTGenerator,
-    DPCGDGenerator,
-    IidGenerator,
-    NoiseGenerator,
-    RegenerateGenerator,
-    make_generator,
-    resolve_dim,
-)
-from .seeds import DEFAULT_CHUNK, fill_seed_noise, seed_noise, step_seed
+Names are loaded on first use, so importing ``corrnoise.noise.bench`` for the command line
+does not import torch until a benchmark runs.
+"""
 
-__all__ = [
-    "BLTGenerator", "BandedGenerator", "DEFAULT_CHUNK", "DPCGDGenerator", "IidGenerator",
-    "NoiseGenerator", "RegenerateGenerator", "fill_seed_noise", "make_generator", "resolve_dim",
-    "seed_noise", "step_seed",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "BLTGenerator": "generators", "BandedGenerator": "generators", "DPCGDGenerator": "generators",
+    "IidGenerator": "generators", "NoiseGenerator": "generators", "RegenerateGenerator": "generators",
+    "make_generator": "generators", "resolve_dim": "generators",
+    "DEFAULT_CHUNK": "seeds", "fill_seed_noise": "seeds", "seed_noise": "seeds", "step_seed": "seeds",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -395,8 +395,8 @@ class BLTGenerator(NoiseGenerator):
         out = self._z(t)
         if t > 0:
             out.addmv_(self._buf.t(), self._alpha_t, alpha=-1.0)
-        self._buf.mul_(self._lam_t)
-        self._buf.add_(out)
+        # M <- M diag(lam) + out 1^T in one fused pass over the d buffers
+        torch.addcmul(out.expand_as(self._buf), self._buf, self._lam_t, out=self._buf)
         return out
 
     def _reset_buffers(self):

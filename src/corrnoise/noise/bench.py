@@ -1,0 +1,205 @@
+"""``corrnoise bench noise``: the per-step cost of correlated-noise generation.
+
+For each mechanism we build its streaming generator (:func:`make_generator`) for a model of
+``dim`` coordinates, draw one warm-up step, then time ``steps`` steps. ``extra_memory_bytes``
+is what the generator holds beyond the one m-vector it returns (buffers, the scratch chunk,
+coefficient arrays); on CUDA the measured peak allocation beyond that vector is reported too.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any, Callable
+
+import click
+
+from ..errors import CorrnoiseError, check_int
+from ..strategies import BLT, DPCGD, BandedSqrt, Identity, Strategy, ToeplitzSqrt
+
+__all__ = ["DEFAULT_MECHANISMS", "bench_mechanism", "bench_noise", "noise_command", "bench_group"]
+
+DEFAULT_MECHANISMS = ("dpsgd", "banded:4", "banded:16", "banded:64", "blt:4", "dpcgd", "toeplitz")
+
+# A representative order-4 BLT (the timing does not depend on the values).
+_BLT4 = ([0.25, 0.15, 0.08, 0.04], [0.995, 0.95, 0.8, 0.4])
+
+
+def bench_strategy(name: str, n: int) -> tuple[Strategy, str]:
+    """(strategy, method) for a benchmark mechanism name."""
+    head, _, rest = name.partition(":")
+    if name == "dpsgd":
+        return Identity(n), "auto"
+    if head == "banded" and rest:
+        b = check_int("mechanism", int(rest) if rest.isdigit() else rest, minimum=1, maximum=n)
+        return BandedSqrt(n, b), "auto"
+    if name == "blt:4":
+        return BLT(*_BLT4, n), "auto"
+    if head == "blt" and rest.isdigit():
+        d = int(rest)
+        lam = [0.99 ** (4 ** i) for i in range(d)]
+        return BLT([0.5 / d] * d, lam, n), "auto"
+    if name == "dpcgd":
+        return DPCGD(0.9, n), "auto"
+    if name == "toeplitz":
+        return ToeplitzSqrt(n), "regenerate"
+    raise CorrnoiseError("mechanism", f"unknown benchmark mechanism {name!r}; use {', '.join(DEFAULT_MECHANISMS)} or blt:D / banded:B")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _available_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
+def _estimate_extra(strategy: Strategy, method: str, dim: int, itemsize: int) -> int:
+    if method == "regenerate" or isinstance(strategy, (Identity, DPCGD)):
+        return 0
+    if isinstance(strategy, BLT):
+        return strategy.alpha.size * dim * itemsize
+    return (strategy.bands - 1) * dim * itemsize
+
+
+def bench_mechanism(name: str, dim: int, steps: int, *, device: str = "cpu",
+                    dtype=None, seed: int = 0) -> dict[str, Any]:
+    """Time ``steps`` noise steps of mechanism ``name`` for a model of ``dim`` coordinates."""
+    import torch
+
+    from .generators import make_generator
+
+    dtype = torch.float32 if dtype is None else dtype
+    dim = check_int("dim", dim, minimum=1)
+    steps = check_int("steps", steps, minimum=1)
+    dev = torch.device(device)
+    n = steps + 65
+    strategy, method = bench_strategy(name, n)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = _estimate_extra(strategy, method, dim, itemsize) + 3 * dim * itemsize
+    avail = _available_bytes() if dev.type == "cpu" else None
+    row: dict[str, Any] = {"mechanism": name, "strategy": strategy.label}
+    if avail is not None and need > 0.8 * avail:
+        row.update(seconds_per_step=None, extra_memory_bytes=_estimate_extra(strategy, method, dim, itemsize),
+                   skipped=f"needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
+        return row
+    gen = make_generator(strategy, dim, noise_std=1.0, seed=seed, device=dev, dtype=dtype, method=method)
+    gen.next_flat()  # warm-up (allocations, first-touch of buffers)
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = gen.next_flat()
+        _sync(dev)
+        times.append(time.perf_counter() - start)
+        del out
+    times.sort()
+    median = times[len(times) // 2] if len(times) % 2 else 0.5 * (times[len(times) // 2 - 1] + times[len(times) // 2])
+    # The median resists other processes' interference; the mean is the total cost per step
+    # (for regeneration, whose cost grows with t, the two agree up to that growth).
+    row.update(generator=gen.kind, seconds_per_step=median, seconds_per_step_mean=sum(times) / steps,
+               extra_memory_bytes=gen.extra_memory_bytes())
+    if dev.type == "cuda":
+        row["measured_peak_extra_bytes"] = int(torch.cuda.max_memory_allocated(dev) - base - dim * itemsize)
+    del gen
+    gc.collect()
+    return row
+
+
+def bench_noise(dim: int, steps: int, mechanisms=DEFAULT_MECHANISMS, *, device: str = "cpu",
+                dtype=None, seed: int = 0,
+                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run :func:`bench_mechanism` for every mechanism; add the ratio to DP-SGD's i.i.d. noise."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    results = []
+    for name in mechanisms:
+        if progress:
+            progress(name)
+        results.append(bench_mechanism(name, dim, steps, device=device, dtype=dtype, seed=seed))
+    iid = next((r["seconds_per_step"] for r in results if r["mechanism"] == "dpsgd"), None)
+    for r in results:
+        if iid and r.get("seconds_per_step") is not None:
+            r["relative_to_dpsgd"] = r["seconds_per_step"] / iid
+    return {"dim": dim, "steps": steps, "device": str(torch.device(device)), "dtype": str(dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "results": results}
+
+
+_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Benchmarks of training-time costs."""
+
+
+@bench_group.command("noise")
+@click.option("--dim", "dim", type=float, required=True, help="Model dimension m (e.g. 1e7).")
+@click.option("--steps", "steps", type=int, default=10, show_default=True, help="Timed steps per mechanism.")
+@click.option("--mechanisms", default=",".join(DEFAULT_MECHANISMS), show_default=True,
+              help="Comma-separated: dpsgd, banded:B, blt:D, dpcgd, toeplitz (regenerated).")
+@click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1, ...).")
+@click.option("--dtype", type=click.Choice(_DTYPES), default="float32", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def noise_command(dim: float, steps: int, mechanisms: str, device: str, dtype: str, seed: int, as_json: bool) -> None:
+    """Seconds per step and extra memory of correlated-noise generation, per mechanism."""
+    import json
+    import sys
+
+    import torch
+
+    if not float(dim).is_integer() or dim < 1:
+        raise CorrnoiseError("dim", f"must be a positive integer, got {dim:g}")
+    steps = check_int("steps", steps, minimum=1)
+    names = [s.strip() for s in mechanisms.split(",") if s.strip()]
+    if not names:
+        raise CorrnoiseError("mechanisms", "name at least one mechanism")
+    for name in names:
+        bench_strategy(name, steps + 65)  # validate all names before any work
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise CorrnoiseError("device", f"unknown torch device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CorrnoiseError("device", "CUDA is not available on this machine; use --device cpu")
+    show = not as_json and sys.stderr.isatty()
+    if show:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task("noise", total=len(names))
+
+            def progress(name):
+                bar.update(task, description=name, advance=0 if name == names[0] else 1)
+
+            report = bench_noise(int(dim), steps, names, device=device, dtype=getattr(torch, dtype), seed=seed, progress=progress)
+    else:
+        report = bench_noise(int(dim), steps, names, device=device, dtype=getattr(torch, dtype), seed=seed)
+    if as_json:
+        click.echo(json.dumps(report, allow_nan=False))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Noise generation, m = {report['dim']}, {report['dtype']} on {report['device']}")
+    for col in ("mechanism", "generator", "ms / step", "x DP-SGD", "extra memory (MiB)"):
+        table.add_column(col, justify="left" if col in ("mechanism", "generator") else "right")
+    for r in report["results"]:
+        sps = r.get("seconds_per_step")
+        table.add_row(r["mechanism"], r.get("generator", r.get("skipped", "")),
+                      "-" if sps is None else f"{1e3 * sps:.2f}",
+                      f"{r['relative_to_dpsgd']:.2f}" if "relative_to_dpsgd" in r else "-",
+                      f"{r['extra_memory_bytes'] / 2**20:.2f}")
+    Console().print(table)
