@@ -1,0 +1,447 @@
+"""BLT strategy optimization (tutorial Sec. 4.3.2, closed forms of Sec. 2.10 / Lemma 2.29).
+
+Parameters: C = BLT(alpha, lam) with alpha_i > 0 and lam_i in (0, 1) (tutorial Eq. 2.16,
+parameterization phi = (alpha, lambda) of Fig. 4.4a, left, which the tutorial recommends).
+The objective of Problem 4.12 is evaluated in torch float64 and differentiated by autograd:
+
+* inverse parameters (Lemma 2.16): with alpha > 0 the inverse decays mu_k are the real roots of
+  the secular equation f(w) = 1 + sum_i alpha_i / (w - lam_i), one in each gap between sorted
+  decays and one below the smallest (they interlace). They are found by bisection in numpy and
+  then passed through one Newton step in torch, whose derivative at a root is exactly the
+  implicit-function derivative -(df/dtheta) / f'(mu); alpha_hat_k = 1 / f'(mu_k).
+  Everything is carried in complement form (q = 1 - lam, omega = 1 - mu), so decays within
+  1e-12 of 1 keep their relative precision.
+* single participation, prefix workload: O(d^2) closed forms (Lemma 2.29 in the corrected
+  beta / e form of :mod:`corrnoise.linalg.blt`): ||C||_col^2, max_t ||B[t]||^2 and ||B||_F^2 / n;
+* cyclic / min-sep: Toeplitz materialization (tutorial Eq. 4.12): c_t in O(n d), then
+  sens^2 = ||sum_{j<k} S^{jb} c||^2 (Eq. 3.25, valid because alpha >= 0 and sum alpha <= 1 make c
+  non-negative and non-increasing); the error keeps its closed form;
+* other Toeplitz workloads: the decoder's first column A-series * C^{-1}-series by FFT (O(n log n)).
+
+Constraints (tutorial Sec. 4.3.2): the optimizer works in coordinates whose image is exactly the
+feasible set -- lam = sigmoid(v), alpha = exp(u) (multi-participation: alpha = exp(u) / (1 +
+sum exp(u)), so sum alpha < 1) -- and adds the tutorial's log barrier
+h = -sum_i (log lam_i + log(1 - lam_i) + log alpha_i) (plus -log(1 - sum alpha) for multiple
+participations) with a small weight, which keeps the iterates away from the boundary where the
+gradients vanish. The number of buffers d grows from 1 while the loss improves by more than
+0.5 % (d <= 10) when ``buffers`` is None. Losses of the returned mechanism should be (and in the
+CLI are) recomputed with :func:`corrnoise.losses.loss_report`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from scipy import optimize as sopt
+
+from ..errors import CorrnoiseError, check_int
+from ..linalg import blt as bltmath
+from ..participation import Participation, Single, parse_participation
+from ..strategies import BLT
+from ..workloads import Workload, parse_workload, prefix
+
+__all__ = ["optimize_blt", "blt_objective", "initial_blt", "MAX_BUFFERS"]
+
+MAX_BUFFERS = 10
+#: grow d while the loss improves by more than this fraction (issue #3).
+AUTO_BUFFER_GAIN = 0.005
+_BARRIER_WEIGHT = 1e-9
+_DT = torch.float64
+_OBJECTIVES = ("rms", "max")
+
+
+# ------------------------------------------------------------------------------ inputs
+def _resolve_workload(workload) -> Workload:
+    if workload is None:
+        return prefix()
+    if isinstance(workload, Workload):
+        return workload
+    if isinstance(workload, str):
+        return parse_workload(workload)
+    raise CorrnoiseError("workload", f"expected prefix, momentum:BETA[:WD] or a Workload, got {workload!r}")
+
+
+def _resolve_objective(objective) -> str:
+    if not isinstance(objective, str) or objective.strip().lower() not in _OBJECTIVES:
+        raise CorrnoiseError("objective", f"must be rms or max, got {objective!r}")
+    return objective.strip().lower()
+
+
+# ------------------------------------------------------------------ torch special functions
+_PHI2_TAYLOR = [1.0 / math.factorial(j + 2) for j in range(16)]
+
+
+def _phi2(z: torch.Tensor) -> torch.Tensor:
+    """phi2(z) = (expm1(z) - z) / z^2, by its Taylor series for |z| < 0.5 (smooth at 0)."""
+    small = z.abs() < 0.5
+    zs = torch.where(small, z, torch.zeros_like(z))
+    series = torch.zeros_like(z)
+    for coef in reversed(_PHI2_TAYLOR):
+        series = series * zs + coef
+    zd = torch.where(small, torch.ones_like(z), z)
+    return torch.where(small, series, (torch.expm1(zd) - zd) / (zd * zd))
+
+
+@dataclass
+class _Decay:
+    """A set of decays w in complement form (om = 1 - w, accurate near w = 1).
+
+    ``x`` = log|w| (log1p(-om) for w > 0, log(-w) for w < 0); ``pos`` marks w > 0.
+    """
+
+    w: torch.Tensor
+    om: torch.Tensor
+    pos: torch.Tensor
+    x: torch.Tensor
+
+    @staticmethod
+    def make(om: torch.Tensor) -> "_Decay":
+        w = 1.0 - om
+        pos = (w > 0).detach()
+        x = torch.where(
+            pos,
+            torch.log1p(-torch.where(pos, om, torch.full_like(om, 0.5))),
+            torch.log(torch.where(pos, torch.full_like(w, 0.5), -w)),
+        )
+        return _Decay(w, om, pos, x)
+
+    def pairs(self) -> "_Decay":
+        """The products w_k w_l (1 - w_k w_l = om_k + om_l - om_k om_l, accurate near 1)."""
+        om = self.om[:, None] + self.om[None, :] - self.om[:, None] * self.om[None, :]
+        w = self.w[:, None] * self.w[None, :]
+        pos = (w > 0).detach()
+        return _Decay(w, om, pos, self.x[:, None] + self.x[None, :])
+
+
+def _gamma(n: int, d: _Decay) -> torch.Tensor:
+    """gamma_n(w) = sum_{t<n} w^t = -expm1(n log w) / (1 - w) (tutorial Lemma 2.29).
+
+    For w > 0 both expm1(n log w) and 1 - w (carried as om) are accurate, so this form has no
+    cancellation even for w within 1e-12 of 1; for w < 0, 1 - w >= 1 and the plain formula
+    (1 - w^n) / (1 - w) is accurate.
+    """
+    if n == 0:
+        return torch.zeros_like(d.w)
+    pos_val = -torch.expm1(float(n) * d.x) / torch.where(d.pos, d.om, torch.ones_like(d.om))
+    wn = torch.where(d.pos, torch.full_like(d.w, -0.5), d.w)
+    neg_val = (1.0 - torch.pow(wn, float(n))) / (1.0 - wn)
+    return torch.where(d.pos, pos_val, neg_val)
+
+
+def _gsum(n: int, d: _Decay) -> torch.Tensor:
+    """G_n(w) = sum_{s<n} (n - 1 - s) w^s = (n - gamma_n(w)) / (1 - w).
+
+    For w > 0, with x = log w: expm1(nx) - n expm1(x) = x^2 (n^2 phi2(nx) - n phi2(x)) and
+    expm1(x) = -(1 - w), so G_n = x^2 (n^2 phi2(n x) - n phi2(x)) / (1 - w)^2 -- no
+    cancellation near w = 1 (phi2 by its Taylor series for small arguments).
+    """
+    nf = float(n)
+    om = torch.where(d.pos, d.om, torch.ones_like(d.om))
+    pos_val = d.x * d.x * (nf * nf * _phi2(nf * d.x) - nf * _phi2(d.x)) / (om * om)
+    wn = torch.where(d.pos, torch.full_like(d.w, -0.5), d.w)
+    gam = (1.0 - torch.pow(wn, nf)) / (1.0 - wn)
+    neg_val = (nf - gam) / (1.0 - wn)
+    return torch.where(d.pos, pos_val, neg_val)
+
+
+# ------------------------------------------------------------------ inverse parameters
+def _secular_roots_complement(alpha: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """omega_k = 1 - mu_k for the d real roots mu of f(w) = 1 + sum_i alpha_i / (w - lam_i).
+
+    In omega = 1 - w: g(om) = 1 + sum_i alpha_i / (q_i - om) with q = 1 - lam. For alpha > 0
+    and distinct q the roots interlace: one in each gap (q_(i), q_(i+1)) of the sorted q and
+    one in (q_max, q_max + sum alpha]; on each bracket g increases from -inf to a value >= 0.
+    Start from the eigenvalues of Lam - 1 alpha^T (Lemma 2.16), then safeguarded Newton
+    (bisection whenever a step leaves the bracket) in the accurate omega coordinates.
+    """
+    qs = np.sort(q)
+    lo = qs.copy()
+    hi = np.append(qs[1:], qs[-1] + float(np.sum(alpha)) + 1.0)
+    with np.errstate(all="ignore"):
+        try:
+            est = np.sort(1.0 - np.linalg.eigvals(np.diag(1.0 - q) - np.outer(np.ones(q.size), alpha)).real)
+        except np.linalg.LinAlgError:
+            est = 0.5 * (lo + hi)
+        om = np.where((est > lo) & (est < hi), est, 0.5 * (lo + hi))
+        for _ in range(100):
+            diff = q[None, :] - om[:, None]
+            g = 1.0 + np.sum(alpha[None, :] / diff, axis=1)
+            dg = np.sum(alpha[None, :] / diff**2, axis=1)
+            neg = g < 0.0
+            lo = np.where(neg, om, lo)
+            hi = np.where(neg, hi, om)
+            step = om - g / dg
+            inside = (step > lo) & (step < hi) & np.isfinite(step)
+            new = np.where(inside, step, 0.5 * (lo + hi))
+            done = np.abs(new - om) <= 4e-15 * np.abs(om)
+            om = new
+            if np.all(done | (hi <= np.nextafter(lo, np.inf))):
+                break
+    return om
+
+
+def _inverse_torch(alpha: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha_hat, omega = 1 - lam_hat) of C^{-1} with the implicit-function gradient."""
+    om0 = torch.as_tensor(
+        _secular_roots_complement(alpha.detach().numpy(), q.detach().numpy()), dtype=_DT
+    )
+    diff = q[None, :] - om0[:, None]  # (q_i - om_k) = (mu_k - lam_i)
+    g = 1.0 + (alpha[None, :] / diff).sum(dim=1)
+    dg = (alpha[None, :] / diff**2).sum(dim=1)  # d g / d om
+    om = om0 - (g - g.detach()) / dg.detach()  # value om0, derivative -(dg/dtheta) / g'
+    diff = q[None, :] - om[:, None]
+    fprime = -(alpha[None, :] / diff**2).sum(dim=1)  # f'(mu) = d/dw [sum alpha/(w - lam)]
+    return 1.0 / fprime, om
+
+
+# ------------------------------------------------------------------------ objective
+def _blt_coefficients_torch(alpha, q, n):
+    """c_0 = 1, c_t = sum_i alpha_i lam_i^(t-1) (Eq. 2.16), in O(n d)."""
+    t = torch.arange(n - 1, dtype=_DT)
+    powers = torch.exp(t[:, None] * torch.log1p(-q)[None, :])
+    return torch.cat([torch.ones(1, dtype=_DT), powers @ alpha])
+
+
+def _sensitivity_squared(alpha, q, n, schema: Participation) -> torch.Tensor:
+    if isinstance(schema, Single):
+        lam = _Decay.make(q).pairs()
+        return 1.0 + alpha @ _gamma(n - 1, lam) @ alpha
+    c = _blt_coefficients_torch(alpha, q, n)
+    k, b = schema.max_participations(n), schema.b
+    blocks = -(-n // b)
+    cp = torch.cat([c, torch.zeros(blocks * b - n, dtype=_DT)]).reshape(blocks, b)
+    cs = torch.cumsum(cp, dim=0)  # v[q b + r] = sum_{j <= min(q, k-1)} c[(q - j) b + r]
+    if k < blocks:
+        cs = torch.cat([cs[:k], cs[k:] - cs[:-k]])
+    v = cs.reshape(-1)[:n]
+    return v @ v
+
+
+def _error_closed_form(alpha, q, a_hat, om, n, objective):
+    """max_t ||B[t]||^2 or ||B||_F^2 / n for B = A_pre C^{-1} (Lemma 2.29, beta/e form)."""
+    beta = 1.0 / (1.0 + (alpha / q).sum())
+    e = -a_hat / om
+    mu = _Decay.make(om)
+    mu2 = mu.pairs()
+    nf = float(n)
+    if objective == "max":
+        return nf * beta * beta + 2.0 * beta * (e * _gamma(n, mu)).sum() + e @ _gamma(n, mu2) @ e
+    h1 = _gsum(n, mu) + _gamma(n, mu)
+    h2 = _gsum(n, mu2) + _gamma(n, mu2)
+    total = beta * beta * nf * (nf + 1.0) / 2.0 + 2.0 * beta * (e * h1).sum() + e @ h2 @ e
+    return total / nf
+
+
+def _error_materialized(a_hat, om, n, objective, workload: Workload):
+    """err for any Toeplitz workload: b = A-series * C^{-1}-series (FFT), then Eq. 4.11."""
+    t = torch.arange(n - 1, dtype=_DT)
+    mu = 1.0 - om
+    powers = torch.pow(mu[None, :], t[:, None])
+    cinv = torch.cat([torch.ones(1, dtype=_DT), powers @ a_hat])
+    a = torch.as_tensor(workload.coefficients(n), dtype=_DT)
+    size = 1 << (2 * n - 1).bit_length()
+    b = torch.fft.irfft(torch.fft.rfft(cinv, size) * torch.fft.rfft(a, size), size)[:n]
+    if objective == "max":
+        return b @ b
+    w = (n - torch.arange(n, dtype=_DT)) / n
+    return (w * b) @ b
+
+
+def _unpack(x: torch.Tensor, d: int, multi: bool):
+    u, v = x[:d], x[d:]
+    if multi:
+        m = torch.clamp(u.max().detach(), min=0.0)
+        eu = torch.exp(u - m)
+        alpha = eu / (torch.exp(-m) + eu.sum())
+    else:
+        alpha = torch.exp(u)
+    lam = torch.sigmoid(v)
+    q = torch.sigmoid(-v)
+    return alpha, lam, q
+
+
+def _pack(alpha: np.ndarray, lam: np.ndarray, multi: bool) -> np.ndarray:
+    alpha = np.maximum(np.asarray(alpha, dtype=np.float64), 1e-300)
+    lam = np.clip(np.asarray(lam, dtype=np.float64), 1e-300, 1.0 - 1e-16)
+    if multi:
+        rest = 1.0 - alpha.sum()
+        if rest <= 0:
+            alpha = alpha * (0.999 / alpha.sum())
+            rest = 1.0 - alpha.sum()
+        u = np.log(alpha / rest)
+    else:
+        u = np.log(alpha)
+    v = np.log(lam) - np.log1p(-lam)
+    return np.concatenate([u, v])
+
+
+@dataclass(frozen=True)
+class _Problem:
+    n: int
+    schema: Participation
+    objective: str
+    workload: Workload
+
+    @property
+    def multi(self) -> bool:
+        return not isinstance(self.schema, Single)
+
+
+def _objective_torch(x: torch.Tensor, d: int, prob: _Problem, barrier: float):
+    alpha, lam, q = _unpack(x, d, prob.multi)
+    a_hat, om = _inverse_torch(alpha, q)
+    sens2 = _sensitivity_squared(alpha, q, prob.n, prob.schema)
+    if prob.workload.is_prefix:
+        err = _error_closed_form(alpha, q, a_hat, om, prob.n, prob.objective)
+    else:
+        err = _error_materialized(a_hat, om, prob.n, prob.objective, prob.workload)
+    f = torch.log(sens2) + torch.log(err)
+    h = -(torch.log(lam) + torch.log(q) + torch.log(alpha)).sum()
+    if prob.multi:
+        h = h - torch.log1p(-alpha.sum())
+    return f + barrier * h, f
+
+
+def blt_objective(alpha, lam, n: int, participation="single", objective: str = "rms", workload=None) -> float:
+    """The normalized loss sens(C, Pi) * err(B)^(1/2) that the optimizer minimizes (torch path).
+
+    Exposed for testing against :func:`corrnoise.losses.loss_report`.
+    """
+    alpha, lam = bltmath.validate_blt(alpha, lam)
+    prob = _Problem(check_int("n", n, minimum=2), parse_participation(participation),
+                    _resolve_objective(objective), _resolve_workload(workload))
+    prob.schema.validate(prob.n)
+    x = torch.as_tensor(_pack(alpha, lam, prob.multi), dtype=_DT)
+    _, f = _objective_torch(x, alpha.size, prob, 0.0)
+    return math.exp(0.5 * float(f))
+
+
+def initial_blt(n: int, d: int, multi: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """A d-buffer BLT approximating the A^{1/2} coefficients c_t ~ 1/sqrt(pi t) (Thm 2.5).
+
+    1/sqrt(pi t) = (1/pi) int s^{1/2} e^{-s t} d(log s): a d-point rule on a log grid of rates
+    s in [1/n, 1] gives lam_i = e^{-s_i}, alpha_i = lam_i s_i^{1/2} Delta / pi (Delta the log
+    spacing). With multiple participations the scales are shrunk so that sum alpha < 1.
+    """
+    if d == 1:
+        s = np.array([4.0 / n ** 0.5]) if n > 1 else np.array([1.0])
+        delta = 1.0
+    else:
+        ls = np.linspace(math.log(1.0 / n), math.log(2.0), d)
+        s = np.exp(ls)
+        delta = ls[1] - ls[0]
+    lam = np.exp(-s)
+    alpha = lam * np.sqrt(s) * delta / math.pi
+    if d == 1:
+        alpha = np.array([0.5])
+    if multi and alpha.sum() >= 0.95:
+        alpha = alpha * (0.95 / alpha.sum())
+    return alpha, lam
+
+
+def _optimize_fixed_d(prob: _Problem, x0: np.ndarray, d: int, max_iterations: int, callback) -> tuple[np.ndarray, float]:
+    def fun(xn):
+        x = torch.tensor(xn, dtype=_DT, requires_grad=True)
+        try:
+            total, _ = _objective_torch(x, d, prob, _BARRIER_WEIGHT)
+        except (ValueError, RuntimeError, FloatingPointError):
+            return math.inf, np.zeros_like(xn)
+        if not torch.isfinite(total):
+            return math.inf, np.zeros_like(xn)
+        (g,) = torch.autograd.grad(total, x)
+        g = g.numpy()
+        if not np.all(np.isfinite(g)):
+            return math.inf, np.zeros_like(xn)
+        return float(total.detach()), g
+
+    f0 = fun(x0)[0]
+    if not math.isfinite(f0):
+        return x0, math.inf
+    res = sopt.minimize(
+        fun, x0, jac=True, method="L-BFGS-B", callback=callback,
+        options={"maxiter": max_iterations, "maxcor": 20, "ftol": 1e-14, "gtol": 1e-10, "maxls": 40},
+    )
+    if np.all(np.isfinite(res.x)) and math.isfinite(res.fun) and res.fun <= f0:
+        return res.x, float(res.fun)
+    return x0, f0
+
+
+def optimize_blt(
+    n: int,
+    buffers: int | None = None,
+    participation="single",
+    objective: str = "rms",
+    workload=None,
+    progress: Callable[[int, float], None] | None = None,
+    *,
+    max_iterations: int = 500,
+) -> BLT:
+    """Optimize a BLT(alpha, lambda) strategy for n steps (tutorial Problem 4.12, Sec. 4.3.2).
+
+    ``buffers`` = d in 1..10, or None to grow d from 1 while the loss improves by > 0.5 %.
+    ``progress(iteration, loss)`` is called after every L-BFGS iteration (over all d).
+    Always returns a valid BLT with alpha > 0 and lam in (0, 1) (sum alpha < 1 with multiple
+    participations, so Eq. 3.25 applies), or raises CorrnoiseError.
+    """
+    n = check_int("n", n, minimum=2)
+    if buffers is not None:
+        buffers = check_int("buffers", buffers, minimum=1, maximum=MAX_BUFFERS)
+    schema = parse_participation(participation)
+    schema.validate(n)
+    prob = _Problem(n, schema, _resolve_objective(objective), _resolve_workload(workload))
+    if progress is not None and not callable(progress):
+        raise CorrnoiseError("progress", f"must be a callable(iteration, loss) or None, got {progress!r}")
+    max_iterations = check_int("max_iterations", max_iterations, minimum=1)
+
+    counter = {"it": 0}
+
+    def callback(intermediate_result):
+        counter["it"] += 1
+        if progress is not None:
+            progress(counter["it"], math.exp(0.5 * float(intermediate_result.fun)))
+
+    sizes = [buffers] if buffers is not None else list(range(1, MAX_BUFFERS + 1))
+    best: tuple[float, np.ndarray, int] | None = None
+    prev = math.inf
+    for d in sizes:
+        a0, l0 = initial_blt(n, d, prob.multi)
+        x, f = _optimize_fixed_d(prob, _pack(a0, l0, prob.multi), d, max_iterations, callback)
+        candidate = _finalize(x, d, prob)
+        if candidate is not None:
+            loss = candidate[0]
+            if best is None or loss < best[0]:
+                best = (loss, x, d)
+        else:
+            loss = math.inf
+        if buffers is None and not (loss < prev * (1.0 - AUTO_BUFFER_GAIN)) and d > 1:
+            break
+        prev = min(prev, loss)
+    if best is None:
+        raise CorrnoiseError("buffers", "BLT optimization did not produce valid parameters; try another number of buffers")
+    _, x, d = best
+    alpha, lam = _finalize(x, d, prob)[1:]
+    return BLT(alpha, lam, n)
+
+
+def _finalize(x: np.ndarray, d: int, prob: _Problem):
+    """(loss, alpha, lam) if the parameters are a valid BLT for this problem, else None."""
+    with torch.no_grad():
+        alpha, lam, q = _unpack(torch.as_tensor(x, dtype=_DT), d, prob.multi)
+    alpha, lam = alpha.numpy().copy(), lam.numpy().copy()
+    if not (np.all(np.isfinite(alpha)) and np.all(np.isfinite(lam))):
+        return None
+    if not (np.all(alpha > 0.0) and np.all(lam > 0.0) and np.all(lam < 1.0)):
+        return None
+    if prob.multi and not bltmath.blt_is_nonnegative_monotone(alpha, lam):
+        return None
+    try:
+        loss = blt_objective(alpha, lam, prob.n, prob.schema, prob.objective, prob.workload)
+    except (CorrnoiseError, ValueError, RuntimeError):
+        return None
+    if not math.isfinite(loss):
+        return None
+    return loss, alpha, lam
