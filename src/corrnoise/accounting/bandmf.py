@@ -75,7 +75,7 @@ def dpsgd_equivalent(strategy, batching: BlockCyclic | Poisson, noise_std: float
     )
 
 
-@register_method("bandmf", batchings=(BlockCyclic, Poisson), options=("accountant", "discretization"),
+@register_method("bandmf", batchings=(BlockCyclic, Poisson),
                  description="banded MF with block-cyclic Poisson sampling (tutorial Thm 3.21) via DP-SGD accounting")
 def account_bandmf(strategy, batching, noise_std: float, delta: float, accountant: str = "pld",
                    discretization: float = DEFAULT_DISCRETIZATION) -> PrivacyResult:

@@ -34,6 +34,7 @@ spec                       meaning                                              
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -280,8 +281,10 @@ def register_method(
     ``calibrate``: optional native calibration ``(strategy, batching, epsilon, delta, **options)``
     (e.g. Monte Carlo bisection on common random numbers); otherwise the generic bisection of
     :mod:`corrnoise.accounting.calibrate` is used.
-    ``options``: keyword options the method accepts (``samples``, ``seed``, ...); the dispatcher
-    drops options a method does not list, so one command line serves all methods.
+    ``options``: extra option names to pass even if the signature does not show them; normally
+    the dispatcher passes exactly the (non-None) options the function's signature accepts.
+    Options the command line may pass: ``samples``, ``seed``, ``progress`` (bool: a terminal is
+    attached and not ``--json``), ``accountant``, ``discretization``.
     """
 
     def decorate(fn: AccountFn) -> AccountFn:
@@ -419,9 +422,24 @@ def prepare(strategy, batching, delta, method: str = "auto") -> tuple[MethodSpec
 _BATCHING_NAMES = {NoBatching: "none", Poisson: "poisson", BlockCyclic: "block-cyclic", BallsInBins: "balls-in-bins"}
 
 
-def method_options(spec: MethodSpec, options: dict[str, Any]) -> dict[str, Any]:
-    """The options ``spec`` accepts, without the unset (None) ones."""
-    return {k: v for k, v in options.items() if v is not None and k in spec.options}
+def accepted_options(fn: Callable[..., Any], options: dict[str, Any], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The set (non-None) ``options`` that ``fn`` accepts: its keyword parameters, everything if it
+    takes ``**kwargs``, plus the names in ``extra``.  One command line thus serves all methods
+    (``--samples`` is simply not passed to ``pld``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        params = {}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names = {name for name, p in params.items()
+             if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return {k: v for k, v in options.items() if v is not None and (takes_all or k in names or k in extra)}
+
+
+def method_options(spec: MethodSpec, options: dict[str, Any], calibrating: bool = False) -> dict[str, Any]:
+    """The options ``spec``'s account (or native calibrate) function accepts, unset ones dropped."""
+    fn = spec.calibrate if calibrating and spec.calibrate is not None else spec.account
+    return accepted_options(fn, options, spec.options)
 
 
 def resolve_noise_std(strategy, noise_std: Any = None, noise_multiplier: Any = None) -> float:

@@ -121,7 +121,7 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
     spec, batching, delta = prepare(strategy, batching, delta, method)
     opts = method_options(spec, options)
     if spec.calibrate is not None:
-        result = spec.calibrate(strategy, batching, target, delta, **opts)
+        result = spec.calibrate(strategy, batching, target, delta, **method_options(spec, options, calibrating=True))
         return _annotate(result.with_extras(target_epsilon=target), strategy, batching)
 
     cache: dict[float, PrivacyResult] = {}

@@ -2,7 +2,7 @@
 
     corrnoise account MECHANISM --n N --batching SPEC (--sigma S | --noise-std NU | --epsilon E)
         --delta D [--participation ...] [--method auto|gaussian|pld|rdp|bandmf|mmcc|mc]
-        [--samples S] [--seed S] [--json]
+        [--samples S] [--seed S] [--verify] [--lower-bound] [--json]
 
 prints ``epsilon, delta, noise_std, noise_multiplier, method`` and the method's extras
 (``gdp_mu`` when unamplified; ``delta_add, delta_remove, std_error_*, samples, verified`` for
@@ -49,10 +49,15 @@ def _jsonable(data: dict) -> dict:
               help="Accounting method (auto picks by batching and mechanism).")
 @click.option("--samples", type=int, default=None, help="Monte Carlo samples (method mc).")
 @click.option("--seed", type=int, default=None, help="Random seed (Monte Carlo methods).")
+@click.option("--verify", is_flag=True, default=False,
+              help="Monte Carlo: formally verify with fresh samples (Estimate-Verify-Release).")
+@click.option("--lower-bound", "lower_bound", is_flag=True, default=False,
+              help="MMCC: report the lower bound (p_tilde = p) that shows how tight MMCC is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account_command(mechanism: str, n: int, batching: str, participation: str | None, sigma: float | None,
                     noise_std: float | None, epsilon: float | None, delta: float, method: str,
-                    samples: int | None, seed: int | None, as_json: bool) -> None:
+                    samples: int | None, seed: int | None, verify: bool, lower_bound: bool,
+                    as_json: bool) -> None:
     """(epsilon, delta) of MECHANISM for a noise level, or the noise for a target epsilon."""
     from ..strategies import parse_strategy
     from . import account, calibrate, parse_batching
@@ -68,7 +73,11 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
         raise CorrnoiseError("samples", f"must be >= 1, got {samples}")
     spec = parse_batching(batching, participation)
     strategy = parse_strategy(mechanism, n)
-    options = {"samples": samples, "seed": seed, "progress": (not as_json) and sys.stderr.isatty()}
+    options = {"samples": samples, "seed": seed, "progress": (not as_json) and sys.stderr.isatty(),
+               "verify": True if verify else None, "lower_bound": True if lower_bound else None}
+    for flag, name, methods in (("--verify", "verify", ("mc",)), ("--lower-bound", "lower_bound", ("mmcc",))):
+        if options[name] and method not in ("auto", *methods):
+            raise CorrnoiseError(name, f"{flag} applies to --method {'/'.join(methods)} only")
     if epsilon is not None:
         result = calibrate(strategy, spec, epsilon=epsilon, delta=delta, method=method, **options)
     else:

@@ -112,7 +112,7 @@ def _account_dpsgd(strategy, batching, noise_std, delta, accountant, discretizat
                          {**eq.to_extras(), "accountant": accountant})
 
 
-@register_method("pld", batchings=(Poisson, BlockCyclic), options=("discretization",),
+@register_method("pld", batchings=(Poisson, BlockCyclic),
                  description="DP-SGD with Poisson sampling: dp_accounting PLD accountant")
 def account_pld(strategy, batching, noise_std, delta, discretization: float = DEFAULT_DISCRETIZATION):
     """DP-SGD (diagonal C) with Poisson sampling, privacy loss distributions (dp_accounting)."""
