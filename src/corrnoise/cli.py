@@ -101,6 +101,9 @@ cli.add_command(account_command)
 from .noise.bench import bench_group  # noqa: E402
 cli.add_command(bench_group)
 
+from .train import train_command  # noqa: E402
+cli.add_command(train_command)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: turns every bad input into one line on stderr."""

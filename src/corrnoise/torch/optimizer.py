@@ -1,0 +1,491 @@
+"""Private training in three lines: ``make_private`` and the :class:`PrivateOptimizer` wrapper.
+
+    private = make_private(model, optimizer, loss_fn, train_set, mechanism="bsr:4",
+                           epsilon=8.0, delta=1e-5, batch_size=64, epochs=10)
+    for x, y in private.data_loader:
+        private.step(x, y)
+    print(private.privacy_spent())        # PrivacyResult: epsilon, delta, noise_std, ...
+
+Each ``step`` is one iteration of tutorial Alg. 3.1: per-example gradients, clipping to the
+clip norm, summing (:mod:`.per_example`), adding zeta * nu * (C^{-1} Z)[t] and dividing by the
+expected batch size (:mod:`.privatizer`), then the wrapped ``torch.optim`` optimizer's own
+update (SGD, momentum, Adam, ...: any first-order rule is post-processing of g_hat_t; the
+tutorial recommends the prefix-sum workload whatever the optimizer, Sec. 4.4.1).
+
+Before anything runs, :func:`check_agreement` checks that the sampler that forms the batches,
+the mechanism C that correlates the noise, and the accounting that calibrates nu describe the
+same run: the number of steps fits the mechanism, the accounting is the one the sampler
+supports, block-cyclic sampling has at least as many blocks as C has bands (tutorial
+Thm 3.21), Poisson sampling on every step has a diagonal C (or MMCC), the participation
+schema of unamplified accounting is the sampler's own. A mismatch is one CorrnoiseError
+naming the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..accounting import (
+    BallsInBins,
+    BlockCyclic,
+    NoBatching,
+    Poisson,
+    PrivacyResult,
+    account,
+    calibrate,
+    method_available,
+    parse_batching,
+)
+from ..accounting.base import prepare
+from ..errors import CorrnoiseError, check_int, check_real
+from ..participation import Cyclic, MinSep, Single, parse_participation
+from ..sampling import (
+    BallsInBinsSampler,
+    BatchSampler,
+    BlockCyclicPoissonSampler,
+    CyclicSampler,
+    PoissonSampler,
+)
+from ..strategies import ColumnNormalized, Strategy, Tree, parse_strategy
+from .per_example import clipped_gradient_sum, trainable_parameters
+from .privatizer import Privatizer
+
+__all__ = ["Agreement", "check_agreement", "leading_strategy", "PrivateOptimizer", "make_private", "make_sampler"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement of sampler, mechanism and accounting
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Agreement:
+    """What :func:`check_agreement` established: the run's steps, batching and accounting method."""
+
+    steps: int
+    batching: Any
+    method: str
+
+
+def _same_batching(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Poisson):
+        return math.isclose(a.p, b.p, rel_tol=1e-9)
+    if isinstance(a, BlockCyclic):
+        return a.blocks == b.blocks and math.isclose(a.p, b.p, rel_tol=1e-9)
+    if isinstance(a, BallsInBins):
+        return a.bins == b.bins
+    return True
+
+
+def _participation_covers(accounted, actual) -> bool:
+    """Whether every pattern of the sampler's schema ``actual`` is allowed by ``accounted``."""
+    if accounted.spec == actual.spec:
+        return True
+    if isinstance(accounted, MinSep):
+        if isinstance(actual, (Cyclic, MinSep)):
+            return actual.b >= accounted.b and actual.k <= accounted.k
+        if isinstance(actual, Single):
+            return True
+    if isinstance(actual, Single):
+        return True  # one participation is allowed by every schema
+    return False
+
+
+def check_agreement(
+    strategy: Strategy,
+    *,
+    sampler: BatchSampler | None = None,
+    batching: Any = None,
+    participation: Any = None,
+    steps: int | None = None,
+    method: str = "auto",
+    delta: float = 1e-5,
+) -> Agreement:
+    """Check that sampler, mechanism and accounting describe one run; raise a CorrnoiseError
+    naming the first parameter that disagrees.
+
+    ``batching`` / ``participation`` are the accounting's (``--batching`` spellings); with a
+    ``sampler`` they default to what the sampler supports and must otherwise equal it.
+    ``steps`` defaults to the sampler's.
+    """
+    if not isinstance(strategy, Strategy):
+        raise CorrnoiseError("mechanism", f"must be a corrnoise Strategy, got {type(strategy).__name__}")
+    if sampler is not None and not isinstance(sampler, BatchSampler):
+        raise CorrnoiseError("sampler", f"must be a corrnoise.sampling sampler, got {type(sampler).__name__}")
+    if steps is None:
+        if sampler is None:
+            raise CorrnoiseError("steps", "give the number of steps or a sampler")
+        steps = sampler.steps
+    steps = check_int("steps", steps, minimum=1)
+    if sampler is not None and steps > sampler.steps:
+        raise CorrnoiseError("steps", f"{steps} steps but the sampler yields only {sampler.steps} batches")
+    if steps > strategy.n:
+        raise CorrnoiseError(
+            "steps", f"{steps} training steps exceed the mechanism's n = {strategy.n} ({strategy.label}); "
+            f"build the mechanism for at least {steps} steps or train fewer")
+
+    # --- the accounting's batching vs the sampler's -----------------------------------------
+    if sampler is not None:
+        own = sampler.batching()
+        if batching is None:
+            chosen = own
+            if participation is not None and isinstance(own, NoBatching):
+                chosen = parse_batching("none", participation)
+        elif hasattr(batching, "spec"):
+            chosen = batching
+        elif str(batching).strip().lower() == "none":
+            chosen = parse_batching("none", participation if participation is not None else sampler.participation)
+        else:
+            chosen = parse_batching(batching, participation)
+        if not _same_batching(chosen, own):
+            raise CorrnoiseError(
+                "batching", f"the accounting assumes {chosen.spec} but {type(sampler).__name__} does "
+                f"{own.spec}; account with --batching {own.spec} or use a matching sampler")
+        if isinstance(chosen, NoBatching):
+            actual = parse_participation(sampler.participation)
+            if not _participation_covers(chosen.participation, actual):
+                raise CorrnoiseError(
+                    "participation", f"the accounting assumes {chosen.participation.spec} but the sampler's "
+                    f"examples participate as {actual.spec}; use participation {actual.spec}")
+        batching = chosen
+    else:
+        if batching is None:
+            raise CorrnoiseError("batching", "give the batching (none, poisson:P, block-cyclic:BLOCKS:P, "
+                                 "balls-in-bins:BINS) or a sampler")
+        if not hasattr(batching, "spec"):
+            none = str(batching).strip().lower() == "none"
+            batching = parse_batching(batching, participation if none else None)
+
+    # --- the mechanism vs the batching ------------------------------------------------------
+    bands = int(strategy.bands)
+    if isinstance(batching, NoBatching):
+        try:
+            batching.participation.validate(steps)
+        except CorrnoiseError as exc:
+            raise CorrnoiseError("participation", f"{batching.participation.spec} does not fit {steps} steps: "
+                                 f"{exc.message}") from None
+    elif isinstance(batching, BlockCyclic) and bands > batching.blocks and not method_available("mmcc"):
+        raise CorrnoiseError(
+            "bands", f"{strategy.label} has {bands} bands > {batching.blocks} blocks of block-cyclic sampling; "
+            f"tutorial Thm 3.21 needs bands <= blocks: use >= {bands} blocks or a mechanism with <= "
+            f"{batching.blocks} bands")
+    elif isinstance(batching, Poisson) and bands > 1 and not method_available("mmcc"):
+        raise CorrnoiseError(
+            "batching", f"Poisson sampling on every step needs a diagonal C (DP-SGD), but {strategy.label} has "
+            f"{bands} bands; use block-cyclic sampling with >= {bands} blocks, or cyclic batches (none)")
+    if batching.amplified and strategy.rows != strategy.n:
+        raise CorrnoiseError("mechanism", f"{strategy.label} is not square ({strategy.rows} rows); amplified "
+                             "accounting needs a square C: use cyclic batches (batching none)")
+    spec, batching, _ = prepare(leading_strategy(strategy, steps), batching, delta, method)
+    return Agreement(steps=steps, batching=batching, method=spec.name)
+
+
+def leading_strategy(strategy: Strategy, steps: int) -> Strategy:
+    """The mechanism of the first ``steps`` steps: C[:steps, :steps] (lower triangular, so the
+    first rows of C^{-1} Z are unchanged). Column-normalized and tree mechanisms are not
+    truncated (their ``with_n`` re-designs rather than truncates): the full mechanism is
+    analysed, which is conservative (its first ``steps`` outputs are a marginal of it)."""
+    if steps >= strategy.n or isinstance(strategy, (ColumnNormalized, Tree)):
+        return strategy
+    return strategy.with_n(steps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer wrapper
+# ----------------------------------------------------------------------------------------------
+class PrivateOptimizer:
+    """Wraps a ``torch.optim`` optimizer: ``step(inputs, targets)`` runs one private step.
+
+    Built by :func:`make_private` (or directly, with a ready :class:`Privatizer`). Attributes:
+    ``optimizer`` (the wrapped one), ``model``, ``privatizer``, ``strategy``, ``batching``,
+    ``delta``, ``steps`` (planned), ``steps_taken``, ``sampler`` / ``data_loader`` when known,
+    ``last_stats`` (non-private loss, batch count, clipped fraction of the last step).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        privatizer: Privatizer,
+        *,
+        strategy: Strategy,
+        batching: Any,
+        delta: float,
+        steps: int,
+        accounting_method: str = "auto",
+        sampler: BatchSampler | None = None,
+        chunk_size: int | None = None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise CorrnoiseError("optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.model = model
+        self.loss_fn = loss_fn
+        self.params = list(trainable_parameters(model).values())
+        ids = {id(p) for p in self.params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in ids:
+                    raise CorrnoiseError("optimizer", "optimizes a tensor that is not a trainable parameter of the "
+                                         "model; its gradient would not be privatized")
+        self.privatizer = privatizer
+        self.strategy = strategy
+        self.delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+        agreement = check_agreement(strategy, sampler=sampler, batching=batching, steps=steps,
+                                    method=accounting_method, delta=self.delta)
+        self.batching = agreement.batching
+        self.accounting_method = accounting_method
+        self.steps = agreement.steps
+        if privatizer.steps < self.steps:
+            raise CorrnoiseError("steps", f"the noise generator has {privatizer.steps} rows for {self.steps} steps")
+        self.sampler = sampler
+        self.data_loader = None
+        self.chunk_size = chunk_size
+        self.steps_taken = 0
+        self.last_stats: dict[str, Any] = {}
+
+    # torch.optim look-alike ---------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def noise_std(self) -> float:
+        return self.privatizer.noise_std
+
+    @property
+    def clip_norm(self) -> float:
+        return self.privatizer.clip_norm
+
+    # the private step ------------------------------------------------------------------------
+    def _check_step(self) -> None:
+        if self.steps_taken >= self.steps:
+            raise CorrnoiseError(
+                "steps", f"all {self.steps} planned steps are done; the privacy guarantee covers no more "
+                "(plan more steps with make_private)")
+
+    def apply_sums(self, sums: list[torch.Tensor]) -> None:
+        """Privatize summed clipped gradients (one per trainable parameter), write them to
+        ``.grad`` and run the wrapped optimizer's step."""
+        self._check_step()
+        noisy = self.privatizer.privatize(sums)
+        for p, g in zip(self.params, noisy):
+            p.grad = g.to(dtype=p.dtype)
+        self.optimizer.step()
+        self.steps_taken += 1
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> dict[str, Any]:
+        """One step of Alg. 3.1 on this batch (may be empty); returns non-private statistics."""
+        self._check_step()
+        sums, stats = clipped_gradient_sum(self.model, self.loss_fn, inputs, targets, self.clip_norm,
+                                           weights=weights, chunk_size=self.chunk_size)
+        self.apply_sums(sums)
+        self.last_stats = stats
+        return stats
+
+    # privacy ------------------------------------------------------------------------------
+    def privacy_spent(self, steps: int | None = None, **options: Any) -> PrivacyResult:
+        """(epsilon, delta) for the steps taken so far (or ``steps``), by the accounting that
+        calibrated the noise. Zero steps: epsilon 0."""
+        k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
+        if k == 0:
+            return PrivacyResult(0.0, self.delta, self.noise_std, math.nan, "none", {"steps": 0})
+        strategy = self.strategy if isinstance(self.batching, NoBatching) else leading_strategy(self.strategy, k)
+        result = account(strategy, self.batching, delta=self.delta, noise_std=self.noise_std,
+                         method=self.accounting_method, **options)
+        return result.with_extras(steps=k)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "privatizer": self.privatizer.state_dict(),
+                "steps_taken": self.steps_taken}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.privatizer.load_state_dict(state["privatizer"])
+        self.steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
+        if self.sampler is not None:
+            self.sampler.start_step = self.steps_taken
+
+
+# ----------------------------------------------------------------------------------------------
+# make_private
+# ----------------------------------------------------------------------------------------------
+SAMPLINGS = ("auto", "poisson", "block-cyclic", "cyclic", "balls-in-bins")
+
+
+def make_sampler(
+    sampling: str,
+    strategy_bands: int,
+    num_examples: int,
+    batch_size: int,
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+) -> BatchSampler:
+    """The sampler for ``sampling`` with expected batch size ``batch_size``.
+
+    ``auto``: Poisson for a diagonal C; block-cyclic Poisson with blocks = bands when
+    batch_size * bands <= num_examples (tutorial Sec. 4.4.3: the preferred centralized schema);
+    otherwise cyclic fixed batches (no amplification). Steps default to ``epochs`` passes over
+    the data (num_examples / batch_size steps per epoch; N // B for cyclic batches).
+    """
+    if sampling not in SAMPLINGS:
+        raise CorrnoiseError("sampling", f"must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
+    n_ex = check_int("num_examples", num_examples, minimum=1)
+    b = check_int("batch_size", batch_size, minimum=1, maximum=n_ex)
+    if sampling == "auto":
+        if strategy_bands <= 1:
+            sampling = "poisson"
+        elif b * strategy_bands <= n_ex:
+            sampling = "block-cyclic"
+        else:
+            sampling = "cyclic"
+    if (steps is None) == (epochs is None):
+        raise CorrnoiseError("steps", "give exactly one of steps and epochs")
+    if sampling == "cyclic":
+        per_epoch = n_ex // b
+        if steps is None:
+            steps = max(1, int(round(check_real("epochs", epochs, low=0.0, low_open=True) * per_epoch)))
+        return CyclicSampler(n_ex, b, steps=steps, seed=seed)
+    if steps is None:
+        steps = max(1, int(round(check_real("epochs", epochs, low=0.0, low_open=True) * n_ex / b)))
+    if sampling == "poisson":
+        return PoissonSampler(n_ex, b / n_ex, steps, seed=seed)
+    if sampling == "block-cyclic":
+        blocks = max(1, strategy_bands)
+        p = b * blocks / n_ex
+        if p > 1.0:
+            raise CorrnoiseError("batch_size", f"block-cyclic sampling with {blocks} blocks of ~{n_ex // blocks} "
+                                 f"examples cannot give batches of {b}; use a smaller batch or fewer bands")
+        return BlockCyclicPoissonSampler(n_ex, blocks, p, steps, seed=seed)
+    bins = max(1, n_ex // b)
+    return BallsInBinsSampler(n_ex, min(bins, steps), steps, batch_size=b, seed=seed)
+
+
+class _SafeCollate:
+    """default_collate, except that an empty batch (Poisson sampling) becomes tensors with a
+    leading dimension 0 shaped like the dataset's items."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.template = None
+
+    def __call__(self, batch):
+        from torch.utils.data import default_collate
+
+        if len(batch):
+            return default_collate(batch)
+        if self.template is None:
+            self.template = default_collate([self.dataset[0]])
+        return _empty_like(self.template)
+
+
+def _empty_like(value):
+    if isinstance(value, torch.Tensor):
+        return value[:0]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_empty_like(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _empty_like(v) for k, v in value.items()}
+    return value
+
+
+def make_private(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    dataset=None,
+    *,
+    mechanism: str | Strategy = "identity",
+    delta: float,
+    epsilon: float | None = None,
+    noise_std: float | None = None,
+    noise_multiplier: float | None = None,
+    batch_size: int | None = None,
+    epochs: float | None = None,
+    steps: int | None = None,
+    sampler: BatchSampler | str = "auto",
+    clip_norm: float = 1.0,
+    seed: int | None = None,
+    accounting_method: str = "auto",
+    noise_method: str = "auto",
+    num_workers: int = 0,
+    chunk_size: int | None = None,
+) -> PrivateOptimizer:
+    """Privatize an existing training loop.
+
+    ``mechanism``: a :class:`Strategy` or a name (``identity``, ``bsr:4``, ``dpcgd:0.5``,
+    ``blt:...``, a mechanism file ...; built for the number of steps). The noise is calibrated
+    for ``epsilon`` (with ``delta``) under the sampler's batching, or given as ``noise_std``
+    (nu) or ``noise_multiplier`` (sigma = nu / ||C||_col). ``sampler`` is a ready
+    :mod:`corrnoise.sampling` sampler or one of ``auto, poisson, block-cyclic, cyclic,
+    balls-in-bins`` built from ``batch_size`` and ``epochs`` / ``steps``. With a ``dataset``
+    the result has a ``data_loader`` yielding the sampler's batches (possibly empty).
+    """
+    if sum(v is not None for v in (epsilon, noise_std, noise_multiplier)) != 1:
+        raise CorrnoiseError("epsilon", "give exactly one of epsilon, noise_std and noise_multiplier")
+    num_examples = None
+    if dataset is not None:
+        try:
+            num_examples = len(dataset)
+        except TypeError:
+            raise CorrnoiseError("dataset", "must have a length (a map-style torch Dataset)") from None
+    if isinstance(sampler, BatchSampler):
+        if num_examples is not None and sampler.num_examples != num_examples:
+            raise CorrnoiseError("sampler", f"was built for {sampler.num_examples} examples, the dataset has "
+                                 f"{num_examples}")
+        if steps is not None and steps > sampler.steps:
+            raise CorrnoiseError("steps", f"{steps} steps but the sampler yields only {sampler.steps} batches")
+        run_steps = sampler.steps if steps is None else check_int("steps", steps, minimum=1)
+        strategy = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, run_steps)
+    else:
+        if num_examples is None:
+            raise CorrnoiseError("dataset", "give the training dataset (or a ready sampler)")
+        if batch_size is None:
+            raise CorrnoiseError("batch_size", "give the (expected) batch size")
+        if not isinstance(sampler, str):
+            raise CorrnoiseError("sampler", f"must be a corrnoise sampler or one of {', '.join(SAMPLINGS)}")
+        # the number of bands decides the sampler; a name needs n, so parse it once for the bands
+        probe_steps = steps if steps is not None else max(1, int(round(
+            check_real("epochs", epochs if epochs is not None else math.nan, low=0.0, low_open=True)
+            * num_examples / batch_size)))
+        probe = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, probe_steps)
+        sampler = make_sampler(sampler, min(int(probe.bands), probe.n), num_examples, batch_size,
+                               epochs=epochs if steps is None else None, steps=steps, seed=seed)
+        run_steps = sampler.steps
+        strategy = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, run_steps)
+
+    agreement = check_agreement(strategy, sampler=sampler, steps=run_steps, method=accounting_method, delta=delta)
+    accounted = strategy if isinstance(agreement.batching, NoBatching) else leading_strategy(strategy, run_steps)
+    if epsilon is not None:
+        result = calibrate(accounted, agreement.batching, epsilon=epsilon, delta=delta, method=accounting_method)
+        nu = result.noise_std
+    elif noise_std is not None:
+        nu = check_real("noise_std", noise_std, low=0.0, low_open=True)
+    else:
+        from ..accounting import column_norm
+
+        nu = check_real("noise_multiplier", noise_multiplier, low=0.0, low_open=True) * column_norm(accounted)
+
+    params = list(trainable_parameters(model).values())
+    privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=clip_norm,
+                                           expected_batch_size=sampler.expected_batch_size, seed=seed,
+                                           method=noise_method)
+    private = PrivateOptimizer(optimizer, model, loss_fn, privatizer, strategy=strategy, batching=agreement.batching,
+                               delta=delta, steps=run_steps, accounting_method=accounting_method, sampler=sampler,
+                               chunk_size=chunk_size)
+    if dataset is not None:
+        from torch.utils.data import DataLoader
+
+        private.data_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_SafeCollate(dataset),
+                                         num_workers=num_workers)
+    return private

@@ -1,0 +1,104 @@
+"""The correlated-noise privatizer: tutorial Alg. 3.1, lines 6-8.
+
+At step t, given the summed clipped per-example gradient S_t = sum_i clip_zeta(g_i),
+
+    g_hat_t = (S_t + zeta * nu * (C^{-1} Z)[t]) / B                           (Alg. 3.1, l. 7-8)
+
+with zeta the clip norm, nu the noise standard deviation (``noise_std``, in units of the clip
+norm: DESIGN.md), Z the seed noise and B the *expected* batch size -- a fixed constant, never
+the realized batch size, which would depend on the data (Alg. 3.1 footnote 4; seed 000 App. I:
+"our normalization in the average is always 1/B"). The noise rows come from a streaming
+generator (:mod:`corrnoise.noise`), which already returns nu * (C^{-1} Z)[t].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CorrnoiseError, check_real
+from ..noise import NoiseGenerator, make_generator
+
+__all__ = ["Privatizer", "privatize_sum"]
+
+
+def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], clip_norm: float,
+                  expected_batch_size: float) -> list[torch.Tensor]:
+    """(S + zeta * noise) / B for each parameter (Alg. 3.1, lines 7-8); ``noise`` = nu (C^{-1}Z)[t]."""
+    if len(sums) != len(noise):
+        raise CorrnoiseError("grads", f"{len(sums)} gradient tensors for {len(noise)} noise tensors")
+    out = []
+    for s, z in zip(sums, noise):
+        if tuple(s.shape) != tuple(z.shape):
+            raise CorrnoiseError("grads", f"gradient of shape {tuple(s.shape)} does not match noise {tuple(z.shape)}")
+        out.append((s + z.to(dtype=s.dtype, device=s.device) * clip_norm) / expected_batch_size)
+    return out
+
+
+class Privatizer:
+    """Adds zeta * nu * (C^{-1} Z)[t] to summed clipped gradients and divides by B.
+
+    ``generator`` is any object with ``next()`` returning one tensor per parameter (a
+    :class:`corrnoise.noise.NoiseGenerator` built with ``dim = [shapes]``, or a
+    :class:`corrnoise.torch.distributed.ShardedNoise`); its ``noise_std`` is nu.
+    """
+
+    def __init__(self, generator, clip_norm: float, expected_batch_size: float):
+        self.generator = generator
+        self.clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_open=True)
+        self.expected_batch_size = check_real("expected_batch_size", expected_batch_size, low=0.0, low_open=True)
+
+    @classmethod
+    def for_parameters(
+        cls,
+        strategy,
+        parameters: Sequence[torch.Tensor],
+        *,
+        noise_std: float,
+        clip_norm: float,
+        expected_batch_size: float,
+        seed: int | None = None,
+        method: str = "auto",
+    ) -> "Privatizer":
+        """A privatizer whose noise has one tensor per parameter (same shape, dtype, device)."""
+        parameters = list(parameters)
+        if not parameters:
+            raise CorrnoiseError("parameters", "no parameters to privatize")
+        p0 = parameters[0]
+        gen = make_generator(strategy, [p.shape for p in parameters], noise_std=noise_std, seed=seed,
+                             device=p0.device, dtype=p0.dtype, method=method)
+        return cls(gen, clip_norm, expected_batch_size)
+
+    @property
+    def noise_std(self) -> float:
+        return float(self.generator.noise_std)
+
+    @property
+    def step(self) -> int:
+        """The index t of the next noise row."""
+        return int(self.generator.t)
+
+    @property
+    def steps(self) -> int:
+        """The mechanism's number of steps n (noise rows available)."""
+        return int(self.generator.n)
+
+    def noise(self) -> list[torch.Tensor]:
+        """nu * (C^{-1} Z)[t] as one tensor per parameter, then advance t."""
+        noise = self.generator.next()
+        return [noise] if isinstance(noise, torch.Tensor) else list(noise)
+
+    def privatize(self, sums: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The privatized average gradient g_hat_t (Alg. 3.1, line 8) for this step's sums."""
+        return privatize_sum(list(sums), self.noise(), self.clip_norm, self.expected_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.state_dict(), "clip_norm": self.clip_norm,
+                "expected_batch_size": self.expected_batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("clip_norm", "expected_batch_size"):
+            if float(state.get(key, float("nan"))) != getattr(self, key):
+                raise CorrnoiseError("state", f"{key} = {state.get(key)!r} does not match {getattr(self, key)!r}")
+        self.generator.load_state_dict(state["generator"])
