@@ -300,3 +300,17 @@ def test_invalid_input(call, param):
         call()
     assert info.value.param == param
     assert "\n" not in str(info.value)
+
+
+def test_calibration_pruning_bound_is_valid():
+    """Samples dropped by the calibration's pruning never have privacy loss above eps in the bracket."""
+    C, bins, eps = _correlated(6), 3, 0.8
+    red = mc.reduce_balls_in_bins(C, bins)
+    u = red.draw(seed=3, stream=0, chunk=0, size=30_000)
+    lo, hi = 0.9, 1.3
+    keep_add, keep_rem = mc._keep_bounds(red, u, None, lo, hi, eps)
+    assert 0 < keep_add.mean() < 1 and 0 < keep_rem.mean() < 1
+    for nu in np.linspace(lo, hi, 9):
+        y_add, y_rem = mc._Losses(red, nu).both(u)
+        assert not np.any((y_add > eps) & ~keep_add)
+        assert not np.any((y_rem > eps) & ~keep_rem)

@@ -228,8 +228,10 @@ class ReducedPair:
         if self.triangular:
             from scipy.linalg.blas import dtrmm
 
-            # g L^T with the triangular BLAS product (half the flops of a full product)
-            return dtrmm(1.0, self._factor_f, g, side=1, lower=1, trans_a=1, overwrite_b=1)
+            # g L^T = (L g^T)^T with the triangular BLAS product (half the flops of a full
+            # product); g^T is Fortran-ordered, so the product is in place and its transpose is
+            # C-ordered again (no copies)
+            return dtrmm(1.0, self._factor_f, g.T, side=0, lower=1, trans_a=0, overwrite_b=1).T
         return g @ self.factor.T
 
     @property
@@ -259,68 +261,87 @@ def reduce_balls_in_bins(C: Any, bins: int) -> ReducedPair:
     return ReducedPair(gram, np.ascontiguousarray(factor), triangular, C.shape[0], col, sens)
 
 
+class _Offsets:
+    """Per-bin offsets O[k, i] of a row-wise log-sum-exp, factored for speed:
+    exp(O[k, i]) = exp(alpha_i) * H[i, k] with H in (0, 1]."""
+
+    def __init__(self, offsets: np.ndarray):
+        self.O = offsets  # (k, i)
+        self.alpha = offsets.max(axis=0)
+        self.H = np.ascontiguousarray(np.exp(offsets - self.alpha).T)  # (i, k)
+
+
+def _exp_rows(V: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exp(V - c), c) with c the row maxima: entries in (0, 1], shared by both adjacencies."""
+    c = V.max(axis=1)
+    E = V - c[:, None]
+    np.exp(E, out=E)
+    return E, c
+
+
+def _lse_bins(V: np.ndarray, off: _Offsets, bin_ids: np.ndarray | None = None, Ec=None) -> np.ndarray:
+    """logsumexp_k(V[j, k] + O[k, i_j]) for every row j (i_j = bin_ids[j], default j mod b).
+
+    Stabilized by the row maximum c_j of V and the column maximum alpha_i of O: the sum
+    sum_k exp(V_jk - c_j) H[i_j, k] has terms in (0, 1]; where it is tiny (< 1e-250) its dominant
+    term may have underflowed, and that row is recomputed with a plain log-sum-exp.
+    """
+    m, b = V.shape
+    E, c = _exp_rows(V) if Ec is None else Ec
+    if bin_ids is None:  # stratified layout: row j uses bin j mod b
+        S = np.einsum("rik,ik->ri", E.reshape(m // b, b, b), off.H).reshape(m)
+        shift = c + np.tile(off.alpha, m // b)
+    else:
+        S = np.einsum("jk,jk->j", E, off.H[bin_ids])
+        shift = c + off.alpha[bin_ids]
+    with np.errstate(divide="ignore"):
+        out = shift + np.log(S)
+    bad = np.flatnonzero(S < _TINY)
+    if bad.size:
+        ids = (bad % b) if bin_ids is None else bin_ids[bad]
+        out[bad] = logsumexp(V[bad] + off.O[:, ids].T, axis=1)
+    return out
+
+
+def _lse_shift(V: np.ndarray, d: np.ndarray, Ec=None) -> np.ndarray:
+    """logsumexp_k(V[j, k] + d[k]) for every row j (stabilized as :func:`_lse_bins`)."""
+    beta = float(d.max())
+    h = np.exp(d - beta)
+    E, c = _exp_rows(V) if Ec is None else Ec
+    S = E @ h
+    with np.errstate(divide="ignore"):
+        out = c + beta + np.log(S)
+    bad = np.flatnonzero(S < _TINY)
+    if bad.size:
+        out[bad] = logsumexp(V[bad] + d, axis=1)
+    return out
+
+
 class _Losses:
     """Privacy losses (Y-add), (Y-remove) for one noise level, from reduced samples u."""
 
     def __init__(self, red: ReducedPair, noise_std: float):
-        b = red.bins
         t = 1.0 / noise_std
         diag = np.diag(red.gram)
         self.t = t
-        self.log_b = math.log(b)
+        self.log_b = math.log(red.bins)
         # add: exponent t u_k + t^2 A[k, i], A[k, i] = G[k, i] - G[k, k] / 2
-        self.TA = (t * t) * (red.gram - 0.5 * diag[:, None])  # (k, i)
-        self.alpha = self.TA.max(axis=0)  # per bin i
-        self.H = np.ascontiguousarray(np.exp(self.TA - self.alpha).T)  # (i, k), entries in (0, 1]
+        self.add_off = _Offsets((t * t) * (red.gram - 0.5 * diag[:, None]))
         # remove: exponent t u_k - t^2 G[k, k] / 2
         self.d = -(t * t) * 0.5 * diag
-        self.beta = float(self.d.max())
-        self.h = np.exp(self.d - self.beta)
 
     def both(self, u: np.ndarray, bin_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(Y_add, Y_remove) per row of u; row j uses bin ``bin_ids[j]`` (default j mod b)."""
-        E, c = self._exp(u)
-        return self._add(u, E, c, bin_ids), self._remove(u, E, c)
+        V = u * self.t
+        Ec = _exp_rows(V)  # one set of exponentials serves both adjacencies
+        return (_lse_bins(V, self.add_off, bin_ids, Ec) - self.log_b,
+                self.log_b - _lse_shift(V, self.d, Ec))
 
-    def add(self, u: np.ndarray, bin_ids: np.ndarray) -> np.ndarray:
-        E, c = self._exp(u)
-        return self._add(u, E, c, bin_ids)
+    def add(self, u: np.ndarray, bin_ids: np.ndarray | None = None) -> np.ndarray:
+        return _lse_bins(u * self.t, self.add_off, bin_ids) - self.log_b
 
     def remove(self, u: np.ndarray) -> np.ndarray:
-        E, c = self._exp(u)
-        return self._remove(u, E, c)
-
-    def _exp(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        E = u * self.t
-        c = E.max(axis=1)
-        E -= c[:, None]
-        np.exp(E, out=E)  # in (0, 1], the row maximum is exactly 1
-        return E, c
-
-    def _add(self, u, E, c, bin_ids):
-        m, b = E.shape
-        if bin_ids is None:  # stratified layout: row j uses bin j mod b
-            S = np.einsum("rik,ik->ri", E.reshape(m // b, b, b), self.H).reshape(m)
-            shift = c + np.tile(self.alpha, m // b)
-        else:
-            S = np.einsum("jk,jk->j", E, self.H[bin_ids])
-            shift = c + self.alpha[bin_ids]
-        with np.errstate(divide="ignore"):
-            Y = shift + np.log(S) - self.log_b
-        bad = np.flatnonzero(S < _TINY)
-        if bad.size:  # exact log-sum-exp where the factored sum may have underflowed
-            ids = (bad % b) if bin_ids is None else bin_ids[bad]
-            Y[bad] = logsumexp(self.t * u[bad] + self.TA[:, ids].T, axis=1) - self.log_b
-        return Y
-
-    def _remove(self, u, E, c):
-        S = E @ self.h
-        with np.errstate(divide="ignore"):
-            Y = self.log_b - (c + self.beta + np.log(S))
-        bad = np.flatnonzero(S < _TINY)
-        if bad.size:
-            Y[bad] = self.log_b - logsumexp(self.t * u[bad] + self.d, axis=1)
-        return Y
+        return self.log_b - _lse_shift(u * self.t, self.d)
 
 
 def _hockey(Y: np.ndarray, epsilon: float) -> np.ndarray:
@@ -648,22 +669,30 @@ class _Kept:
         return max(da + z * sa, dr + z * sr), mom
 
 
-def _keep_bounds(red: ReducedPair, u: np.ndarray, bin_ids: np.ndarray, lo: float, hi: float,
+def _keep_bounds(red: ReducedPair, u: np.ndarray, bin_ids: np.ndarray | None, lo: float, hi: float,
                  epsilon: float) -> tuple[np.ndarray, np.ndarray]:
     """Rows of u whose privacy loss can exceed eps for some noise in [lo, hi] (add, remove).
 
-    With t = 1/nu in [t1, t2]: Y-add <= max_k (t u_k + t^2 A_ki) since logsumexp - log b <= max,
-    and Y-remove <= log b - max_k (t u_k - t^2 G_kk / 2); each term is bounded termwise at the
-    ends of the interval.
+    With t = 1/nu in [t1, t2], every exponent is bounded termwise: t u_k <= max(t1 u_k, t2 u_k),
+    t^2 A_ki <= max(t1^2 A_ki, t2^2 A_ki), and -t^2 G_kk/2 >= -t2^2 G_kk/2, t u_k >=
+    min(t1 u_k, t2 u_k).  log-sum-exp is increasing in every argument, so (Y-add) and (Y-remove)
+    are bounded by the log-sum-exp of the termwise bounds -- equal to them when t1 = t2.
     """
     t1, t2 = 1.0 / hi, 1.0 / lo
+    log_b = math.log(red.bins)
     diag = np.diag(red.gram)
     A = red.gram - 0.5 * diag[:, None]  # (k, i)
-    Amax = np.maximum(t1 * t1 * A, t2 * t2 * A).T  # (i, k)
-    lin_hi = np.maximum(t1 * u, t2 * u)
-    bound_add = (lin_hi + Amax[bin_ids]).max(axis=1)
-    lin_lo = np.minimum(t1 * u, t2 * u)
-    bound_rem = math.log(red.bins) - (lin_lo - (t2 * t2 * 0.5) * diag).max(axis=1)
+    off = _Offsets(np.maximum(t1 * t1 * A, t2 * t2 * A))
+    lin = u * t1
+    extra = np.maximum(u, 0.0)
+    extra *= t2 - t1
+    lin += extra  # max(t1 u, t2 u)
+    bound_add = _lse_bins(lin, off, bin_ids) - log_b
+    lin = u * t1
+    extra = np.minimum(u, 0.0)
+    extra *= t2 - t1
+    lin += extra  # min(t1 u, t2 u)
+    bound_rem = log_b - _lse_shift(lin, -(t2 * t2 * 0.5) * diag)
     return bound_add > epsilon, bound_rem > epsilon
 
 
@@ -712,7 +741,7 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
     def draw_kept(stream: int, m: int, lo: float, hi: float) -> _Kept:
         def fn(u):
             ids = _stratified_ids(u.shape[0], b)
-            ka, kr = _keep_bounds(red, u, ids, lo, hi, epsilon)
+            ka, kr = _keep_bounds(red, u, None, lo, hi, epsilon)
             return u[ka], ids[ka], u[kr]
 
         parts = _map_chunks(red, seed, stream, m, fn, workers, progress, "calibrating noise")
@@ -750,7 +779,7 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
     nu = _bisect(excess(kept), lo, hi, rtol if final else 1e-3)[0] if lo < hi else hi
     if not final:
         # --- main sample: a narrow bracket around the pilot's answer, drawn once ------------------
-        kept, lo, hi = bracket(_STREAM_CALIBRATE, samples, nu / 1.25, nu * 1.25, 1.5)
+        kept, lo, hi = bracket(_STREAM_CALIBRATE, samples, nu / 1.1, nu * 1.1, 1.2)
         nu = _bisect(excess(kept), lo, hi, rtol)[0] if lo < hi else hi
     obj, mom = kept.objective(red, nu, epsilon, margin_z)
     (da, sa), (dr, sr) = mom.add(), mom.remove()
