@@ -234,3 +234,14 @@ def test_bench_noise_command_json():
     assert rows["dpcgd"]["generator"] == "dpcgd" and rows["toeplitz"]["generator"] == "regenerate"
     bad = CliRunner().invoke(cli, ["bench", "noise", "--dim", "10", "--mechanisms", "nope", "--json"])
     assert bad.exit_code != 0 and isinstance(bad.exception, CorrnoiseError)
+
+
+@pytest.mark.parametrize("strategy", [DPCGD(0.6, 3), Prefix(3), ToeplitzSqrt(3)], ids=lambda s: s.label)
+def test_large_rows_default_chunks(strategy):
+    """m spanning several default chunks, cut into serial pieces by the regeneration adds."""
+    m = 150_001
+    gen = make_generator(strategy, m, noise_std=0.3, seed=8, dtype=torch.float64)
+    got = run(gen, 3)
+    z = np.stack([seed_noise(8, t, m).numpy() for t in range(3)])
+    want = 0.3 * strategy.noising_matrix() @ z
+    assert np.max(np.abs(got - want)) < 1e-10

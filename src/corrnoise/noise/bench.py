@@ -152,8 +152,10 @@ def bench_group() -> None:
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1, ...).")
 @click.option("--dtype", type=click.Choice(_DTYPES), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def noise_command(dim: float, steps: int, mechanisms: str, device: str, dtype: str, seed: int, as_json: bool) -> None:
+def noise_command(dim: float, steps: int, mechanisms: str, device: str, dtype: str, seed: int,
+                  threads: int | None, as_json: bool) -> None:
     """Seconds per step and extra memory of correlated-noise generation, per mechanism."""
     import json
     import sys
@@ -163,6 +165,8 @@ def noise_command(dim: float, steps: int, mechanisms: str, device: str, dtype: s
     if not float(dim).is_integer() or dim < 1:
         raise CorrnoiseError("dim", f"must be a positive integer, got {dim:g}")
     steps = check_int("steps", steps, minimum=1)
+    if threads is not None:
+        torch.set_num_threads(check_int("threads", threads, minimum=1))
     names = [s.strip() for s in mechanisms.split(",") if s.strip()]
     if not names:
         raise CorrnoiseError("mechanisms", "name at least one mechanism")

@@ -296,6 +296,22 @@ class NoiseGenerator:
                 f"noise_std={self.noise_std:g}, dtype={self.dtype}, device={self.device})")
 
 
+# torch runs an element-wise op on one thread below 32768 elements (at::internal::GRAIN_SIZE).
+# Regeneration adds one chunk at a time; cut into serial pieces, these many small adds never
+# wait on the intra-op thread pool (which costs milliseconds per op on a busy machine).
+_SERIAL_PIECE = 16384
+
+
+def _axpy(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+    """dst += alpha * src, in thread-pool-free pieces on CPU."""
+    size = dst.numel()
+    if dst.device.type != "cpu" or size < 2 * _SERIAL_PIECE:
+        dst.add_(src, alpha=alpha)
+        return
+    for i in range(0, size, _SERIAL_PIECE):
+        dst[i : i + _SERIAL_PIECE].add_(src[i : i + _SERIAL_PIECE], alpha=alpha)
+
+
 class IidGenerator(NoiseGenerator):
     """C = I: DP-SGD's independent noise nu Z[t] (tutorial Alg. 1.3 with C^{-1} = I)."""
 
@@ -427,7 +443,7 @@ class DPCGDGenerator(NoiseGenerator):
         if t > 0 and self.beta != 0.0:
             scale = -self.beta * self.noise_std
             for k, off, a, length in self._chunks():
-                out[off : off + length].add_(self._z_piece(t - 1, k, a, length), alpha=scale)
+                _axpy(out[off : off + length], self._z_piece(t - 1, k, a, length), scale)
         return out
 
 
@@ -476,7 +492,7 @@ class RegenerateGenerator(NoiseGenerator):
         for k, off, a, length in self._chunks():
             piece = out[off : off + length]
             for tau, coef in terms:
-                piece.add_(self._z_piece(tau, k, a, length), alpha=coef)
+                _axpy(piece, self._z_piece(tau, k, a, length), coef)
         if self.noise_std != 1.0:
             out.mul_(self.noise_std)
         return out

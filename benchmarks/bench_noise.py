@@ -1,0 +1,142 @@
+"""Noise-generation cost next to realistic training steps (issue #5, item 7).
+
+    .venv/bin/python benchmarks/bench_noise.py [--dim 1e7] [--steps 8] [--repeats 3]
+
+Prints a markdown section for benchmarks/RESULTS.md: `corrnoise bench noise` at m = dim
+(median of `repeats` runs of the per-step median) and, for scale, the time of
+  * forward + backward + SGD step of a ~1e7-parameter MLP at batch 256 (non-private),
+  * a per-example-gradient step (torch.func vmap(grad)) + clipping of a ~1e6-parameter MLP
+    at batch 256 (what DP training computes every step), with the noise bench at m = 1e6,
+  * forward + backward of a small CNN on scikit-learn's digits at batch 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from corrnoise.noise.bench import bench_noise
+
+
+def timed(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def mlp(sizes):
+    layers = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def params_of(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def train_step_time(model, x, y) -> float:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return timed(step)
+
+
+def per_example_step_time(model, x, y) -> float:
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    loss_fn = nn.CrossEntropyLoss()
+
+    def loss_one(p, xi, yi):
+        return loss_fn(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    per_ex = vmap(grad(loss_one), in_dims=(None, 0, 0))
+
+    def step():
+        g = per_ex(params, x, y)
+        norms = torch.sqrt(sum(v.reshape(v.shape[0], -1).pow(2).sum(1) for v in g.values()))
+        scale = (1.0 / norms).clamp(max=1.0)
+        summed = {k: (v * scale.view(-1, *[1] * (v.dim() - 1))).sum(0) for k, v in g.items()}
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.sub_(0.01 * summed[k])
+
+    return timed(step, repeats=5)
+
+
+def digits_cnn_time() -> tuple[float, int]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images[:256], dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target[:256])
+    model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(32 * 64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return train_step_time(model, x, y), params_of(model)
+
+
+def noise_table(dim: int, steps: int, repeats: int) -> dict[str, dict]:
+    runs = [bench_noise(dim, steps) for _ in range(repeats)]
+    out = {}
+    for r in runs[0]["results"]:
+        name = r["mechanism"]
+        secs = [next(x for x in run["results"] if x["mechanism"] == name)["seconds_per_step"] for run in runs]
+        out[name] = {"seconds": statistics.median(secs), "extra": r["extra_memory_bytes"], "gen": r.get("generator")}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=float, default=1e7)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dim = int(args.dim)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads, load average {load:.1f} at start")
+
+    big = noise_table(dim, args.steps, args.repeats)
+    small = noise_table(10**6, args.steps, args.repeats)
+
+    model10 = mlp([784, 3000, 2500, 10])
+    x = torch.randn(256, 784)
+    y = torch.randint(0, 10, (256,))
+    t10 = train_step_time(model10, x, y)
+    model1 = mlp([784, 1000, 200, 10])
+    t1pe = per_example_step_time(model1, x, y)
+    tcnn, pcnn = digits_cnn_time()
+
+    iid = big["dpsgd"]["seconds"]
+    print(f"\n`corrnoise bench noise --dim {dim:.0e} --steps {args.steps}` (float32, CPU; median over {args.repeats} runs)\n")
+    print(f"| mechanism | generator | ms/step at m=1e7 | x DP-SGD noise | extra memory | share of 1e7-param MLP step ({t10 * 1e3:.0f} ms) | ms/step at m=1e6 | share of 1e6 per-example step ({t1pe * 1e3:.0f} ms) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in big.items():
+        s1 = small[name]["seconds"]
+        mem = r["extra"]
+        mem_s = f"{mem / 2**20:.2f} MiB" if mem < 2**30 else f"{mem / 2**30:.2f} GiB"
+        print(f"| {name} | {r['gen']} | {r['seconds'] * 1e3:.1f} | {r['seconds'] / iid:.2f} | {mem_s} | "
+              f"{r['seconds'] / (t10 + r['seconds']):.0%} | {s1 * 1e3:.2f} | {s1 / (t1pe + s1):.0%} |")
+    print(f"\nTraining steps, batch 256: MLP {params_of(model10):,} params fwd+bwd+SGD {t10 * 1e3:.0f} ms; "
+          f"per-example grads + clipping (vmap) of MLP {params_of(model1):,} params {t1pe * 1e3:.0f} ms; "
+          f"digits CNN {pcnn:,} params fwd+bwd+SGD {tcnn * 1e3:.1f} ms.")
+
+
+if __name__ == "__main__":
+    main()
