@@ -54,7 +54,8 @@ from ..strategies import ColumnNormalized, Strategy, Tree, parse_strategy
 from .per_example import clipped_gradient_sum, trainable_parameters
 from .privatizer import Privatizer
 
-__all__ = ["Agreement", "check_agreement", "leading_strategy", "PrivateOptimizer", "make_private", "make_sampler"]
+__all__ = ["Agreement", "check_agreement", "leading_strategy", "privacy_spent", "PrivateOptimizer", "make_private",
+           "make_sampler", "plan_private"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,12 +169,14 @@ def check_agreement(
         except CorrnoiseError as exc:
             raise CorrnoiseError("participation", f"{batching.participation.spec} does not fit {steps} steps: "
                                  f"{exc.message}") from None
-    elif isinstance(batching, BlockCyclic) and bands > batching.blocks and not method_available("mmcc"):
+    elif isinstance(batching, BlockCyclic) and bands > batching.blocks and (
+            method in ("bandmf", "pld", "rdp") or (method == "auto" and not method_available("mmcc"))):
         raise CorrnoiseError(
             "bands", f"{strategy.label} has {bands} bands > {batching.blocks} blocks of block-cyclic sampling; "
             f"tutorial Thm 3.21 needs bands <= blocks: use >= {bands} blocks or a mechanism with <= "
             f"{batching.blocks} bands")
-    elif isinstance(batching, Poisson) and bands > 1 and not method_available("mmcc"):
+    elif isinstance(batching, Poisson) and bands > 1 and (
+            method in ("bandmf", "pld", "rdp") or (method == "auto" and not method_available("mmcc"))):
         raise CorrnoiseError(
             "batching", f"Poisson sampling on every step needs a diagonal C (DP-SGD), but {strategy.label} has "
             f"{bands} bands; use block-cyclic sampling with >= {bands} blocks, or cyclic batches (none)")
@@ -192,6 +195,21 @@ def leading_strategy(strategy: Strategy, steps: int) -> Strategy:
     if steps >= strategy.n or isinstance(strategy, (ColumnNormalized, Tree)):
         return strategy
     return strategy.with_n(steps)
+
+
+def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: float, steps: int,
+                  method: str = "auto", **options: Any) -> PrivacyResult:
+    """(epsilon, delta) after ``steps`` steps of ``strategy`` with this noise and batching.
+
+    Amplified batchings analyse the leading ``steps`` x ``steps`` block of C (fewer steps, fewer
+    compositions); unamplified accounting keeps the full mechanism and its participation schema
+    (conservative before the end of the run). Zero steps: epsilon 0.
+    """
+    if steps == 0:
+        return PrivacyResult(0.0, delta, noise_std, math.nan, "none", {"steps": 0})
+    accounted = strategy if isinstance(batching, NoBatching) else leading_strategy(strategy, steps)
+    result = account(accounted, batching, delta=delta, noise_std=noise_std, method=method, **options)
+    return result.with_extras(steps=int(steps))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,12 +314,8 @@ class PrivateOptimizer:
         """(epsilon, delta) for the steps taken so far (or ``steps``), by the accounting that
         calibrated the noise. Zero steps: epsilon 0."""
         k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
-        if k == 0:
-            return PrivacyResult(0.0, self.delta, self.noise_std, math.nan, "none", {"steps": 0})
-        strategy = self.strategy if isinstance(self.batching, NoBatching) else leading_strategy(self.strategy, k)
-        result = account(strategy, self.batching, delta=self.delta, noise_std=self.noise_std,
-                         method=self.accounting_method, **options)
-        return result.with_extras(steps=k)
+        return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
+                             method=self.accounting_method, **options)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "privatizer": self.privatizer.state_dict(),
@@ -399,10 +413,7 @@ def _empty_like(value):
     return value
 
 
-def make_private(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+def plan_private(
     dataset=None,
     *,
     mechanism: str | Strategy = "identity",
@@ -414,23 +425,11 @@ def make_private(
     epochs: float | None = None,
     steps: int | None = None,
     sampler: BatchSampler | str = "auto",
-    clip_norm: float = 1.0,
     seed: int | None = None,
     accounting_method: str = "auto",
-    noise_method: str = "auto",
-    num_workers: int = 0,
-    chunk_size: int | None = None,
-) -> PrivateOptimizer:
-    """Privatize an existing training loop.
-
-    ``mechanism``: a :class:`Strategy` or a name (``identity``, ``bsr:4``, ``dpcgd:0.5``,
-    ``blt:...``, a mechanism file ...; built for the number of steps). The noise is calibrated
-    for ``epsilon`` (with ``delta``) under the sampler's batching, or given as ``noise_std``
-    (nu) or ``noise_multiplier`` (sigma = nu / ||C||_col). ``sampler`` is a ready
-    :mod:`corrnoise.sampling` sampler or one of ``auto, poisson, block-cyclic, cyclic,
-    balls-in-bins`` built from ``batch_size`` and ``epochs`` / ``steps``. With a ``dataset``
-    the result has a ``data_loader`` yielding the sampler's batches (possibly empty).
-    """
+) -> tuple[Strategy, BatchSampler, Agreement, float]:
+    """(strategy, sampler, agreement, noise_std): the checked plan behind :func:`make_private`
+    (and the Opacus adapter). Arguments as for :func:`make_private`."""
     if sum(v is not None for v in (epsilon, noise_std, noise_multiplier)) != 1:
         raise CorrnoiseError("epsilon", "give exactly one of epsilon, noise_std and noise_multiplier")
     num_examples = None
@@ -476,6 +475,46 @@ def make_private(
 
         nu = check_real("noise_multiplier", noise_multiplier, low=0.0, low_open=True) * column_norm(accounted)
 
+    return strategy, sampler, agreement, nu
+
+
+def make_private(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    dataset=None,
+    *,
+    mechanism: str | Strategy = "identity",
+    delta: float,
+    epsilon: float | None = None,
+    noise_std: float | None = None,
+    noise_multiplier: float | None = None,
+    batch_size: int | None = None,
+    epochs: float | None = None,
+    steps: int | None = None,
+    sampler: BatchSampler | str = "auto",
+    clip_norm: float = 1.0,
+    seed: int | None = None,
+    accounting_method: str = "auto",
+    noise_method: str = "auto",
+    num_workers: int = 0,
+    chunk_size: int | None = None,
+) -> PrivateOptimizer:
+    """Privatize an existing training loop.
+
+    ``mechanism``: a :class:`Strategy` or a name (``identity``, ``bsr:4``, ``dpcgd:0.5``,
+    ``blt:...``, a mechanism file ...; built for the number of steps). The noise is calibrated
+    for ``epsilon`` (with ``delta``) under the sampler's batching, or given as ``noise_std``
+    (nu) or ``noise_multiplier`` (sigma = nu / ||C||_col). ``sampler`` is a ready
+    :mod:`corrnoise.sampling` sampler or one of ``auto, poisson, block-cyclic, cyclic,
+    balls-in-bins`` built from ``batch_size`` and ``epochs`` / ``steps``. With a ``dataset``
+    the result has a ``data_loader`` yielding the sampler's batches (possibly empty).
+    """
+    strategy, sampler, agreement, nu = plan_private(
+        dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
+        noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps, sampler=sampler,
+        seed=seed, accounting_method=accounting_method)
+    run_steps = agreement.steps
     params = list(trainable_parameters(model).values())
     privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=clip_norm,
                                            expected_batch_size=sampler.expected_batch_size, seed=seed,

@@ -1,0 +1,162 @@
+"""Distributed correlated noise: every rank generates its shard of every noise row.
+
+Tutorial Sec. 4.4.5, "sharding noise across all machines": the m coordinates are split as
+evenly as possible into M groups G_0..G_{M-1} (contiguous ranges, the first m mod M ranks one
+coordinate longer), and rank i computes only
+
+    ( (C^{-1} Z)[t, j] : j in G_i )                                              (Eq. 4.13)
+
+with its own streaming generator (banded buffers, BLT buffers, regenerated seed noise: all of
+it only for its coordinates), so the work and the memory per machine are 1/M of the total and
+no communication is needed to compute it. The seed noise Z is counter-based
+(:mod:`corrnoise.noise.seeds`): coordinate j of row t is the same number whichever rank draws
+it, so the assembled row equals the single-process row for the same seed exactly. The row is
+then assembled with one ``all_gather`` so it can be added to the (all-reduced) gradient.
+
+All ranks must use the same seed; with ``seed=None`` rank 0 draws one and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CorrnoiseError, check_int
+from ..noise import DEFAULT_CHUNK, make_generator, resolve_dim
+from .privatizer import Privatizer
+
+__all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed"]
+
+
+def shard_bounds(m: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank's group G_rank: m split as evenly as possible (Sec. 4.4.5)."""
+    m = check_int("dim", m, minimum=1)
+    world_size = check_int("world_size", world_size, minimum=1)
+    rank = check_int("rank", rank, minimum=0, maximum=world_size - 1)
+    base, extra = divmod(m, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _world(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CorrnoiseError("distributed", "torch.distributed is not initialized (call init_process_group first)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def broadcast_seed(seed: int | None, group=None) -> int:
+    """The same seed on every rank: ``seed`` if given (checked equal), else rank 0's random one."""
+    rank, _ = _world(group)
+    value = torch.tensor([-1 if seed is None else int(seed), 0], dtype=torch.int64)
+    if rank == 0 and seed is None:
+        value[0] = secrets.randbits(62)
+    mine = value.clone()
+    dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if seed is not None and int(mine[0]) != int(value[0]):
+        raise CorrnoiseError("seed", f"ranks disagree on the noise seed ({int(mine[0])} here, {int(value[0])} on rank 0)")
+    return int(value[0])
+
+
+class ShardedNoise:
+    """nu * (C^{-1} Z)[t] generated in shards across the ranks of a process group.
+
+    ``next_shard()`` returns this rank's coordinates only (no communication); ``next()`` /
+    ``next_flat()`` also assemble the full row on every rank with ``all_gather``. Behaves like a
+    :class:`corrnoise.noise.NoiseGenerator` for a :class:`~corrnoise.torch.Privatizer`.
+    """
+
+    def __init__(self, strategy, dim: Any, *, noise_std: float = 1.0, seed: int | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, method: str = "auto",
+                 chunk_size: int = DEFAULT_CHUNK, group=None):
+        self.group = group
+        self.rank, self.world_size = _world(group)
+        self.m, self.shapes = resolve_dim(dim)
+        if self.m < self.world_size:
+            raise CorrnoiseError("dim", f"{self.m} coordinates cannot be split over {self.world_size} ranks")
+        self.seed = broadcast_seed(seed, group)
+        self.start, self.stop = shard_bounds(self.m, self.world_size, self.rank)
+        self.bounds = [shard_bounds(self.m, self.world_size, r) for r in range(self.world_size)]
+        self.local = make_generator(strategy, self.m, noise_std=noise_std, seed=self.seed, device=device, dtype=dtype,
+                                    method=method, shard=(self.start, self.stop), chunk_size=chunk_size)
+        self._width = max(b - a for a, b in self.bounds)
+
+    # generator look-alike -------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return self.local.n
+
+    @property
+    def t(self) -> int:
+        return self.local.t
+
+    @property
+    def noise_std(self) -> float:
+        return self.local.noise_std
+
+    def next_shard(self) -> torch.Tensor:
+        """This rank's coordinates [start, stop) of the current row (Eq. 4.13), then advance."""
+        return self.local.next_flat()
+
+    def next_flat(self) -> torch.Tensor:
+        """The full current row, assembled from every rank's shard (one all_gather)."""
+        shard = self.next_shard()
+        padded = torch.zeros(self._width, dtype=shard.dtype, device=shard.device)
+        padded[: shard.numel()] = shard
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[: b - a] for p, (a, b) in zip(parts, self.bounds)])
+
+    def next(self):
+        flat = self.next_flat()
+        if self.shapes is None:
+            return flat
+        out, pos = [], 0
+        for s in self.shapes:
+            k = int(math.prod(s))
+            out.append(flat[pos : pos + k].view(s))
+            pos += k
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard state (save one per rank)."""
+        return {"rank": self.rank, "world_size": self.world_size, "local": self.local.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("rank") != self.rank or state.get("world_size") != self.world_size:
+            raise CorrnoiseError("state", f"saved by rank {state.get('rank')} of {state.get('world_size')}, "
+                                 f"this is rank {self.rank} of {self.world_size}")
+        self.local.load_state_dict(state["local"])
+
+
+class DistributedPrivatizer(Privatizer):
+    """Data-parallel privatizer: every rank clips and sums the gradients of *its* examples;
+    ``privatize`` all-reduces the sums (so the sum is over the global batch, sensitivity still
+    one clip norm), adds the sharded-then-gathered noise once and divides by the global expected
+    batch size. Every rank ends with the same g_hat_t."""
+
+    def __init__(self, generator: ShardedNoise, clip_norm: float, expected_batch_size: float):
+        super().__init__(generator, clip_norm, expected_batch_size)
+        self.group = generator.group
+
+    @classmethod
+    def for_parameters(cls, strategy, parameters, *, noise_std, clip_norm, expected_batch_size, seed=None,
+                       method="auto", group=None, chunk_size: int = DEFAULT_CHUNK) -> "DistributedPrivatizer":
+        parameters = list(parameters)
+        if not parameters:
+            raise CorrnoiseError("parameters", "no parameters to privatize")
+        p0 = parameters[0]
+        gen = ShardedNoise(strategy, [p.shape for p in parameters], noise_std=noise_std, seed=seed, device=p0.device,
+                           dtype=p0.dtype, method=method, chunk_size=chunk_size, group=group)
+        return cls(gen, clip_norm, expected_batch_size)
+
+    def privatize(self, sums):
+        total = []
+        for s in sums:
+            s = s.clone()
+            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
+            total.append(s)
+        return super().privatize(total)

@@ -1,0 +1,99 @@
+"""Sharded noise across 2 gloo processes equals single-process noise (tutorial Sec. 4.4.5)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from corrnoise.errors import CorrnoiseError
+from corrnoise.noise import make_generator, seed_noise
+from corrnoise.strategies import BLT, DPCGD, Identity, parse_strategy
+from corrnoise.torch.distributed import shard_bounds
+
+M, STEPS, CHUNK, SEED = 37, 5, 8, 1234  # shards cut seed chunks: 37 = 19 + 18, chunks of 8
+START = os.environ.get("CORRNOISE_MP_START", "spawn")
+
+
+def _strategies():
+    return {
+        "identity": Identity(STEPS),
+        "bsr:3": parse_strategy("bsr:3", STEPS),
+        "blt": BLT([0.3, 0.1], [0.8, 0.4], STEPS),
+        "dpcgd": DPCGD(0.7, STEPS),
+        "toeplitz-sqrt": parse_strategy("toeplitz-sqrt", STEPS),  # regeneration
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from corrnoise.torch.distributed import DistributedPrivatizer, ShardedNoise
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        rows = {}
+        for name, strategy in _strategies().items():
+            gen = ShardedNoise(strategy, M, noise_std=1.5, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)
+            rows[name] = torch.stack([gen.next_flat() for _ in range(STEPS)])
+        # data parallel: each rank sums its own examples; all ranks end with the same g_hat
+        shapes = [torch.empty(5, 3), torch.empty(22)]
+        priv = DistributedPrivatizer.for_parameters(parse_strategy("bsr:3", STEPS), shapes, noise_std=2.0, clip_norm=0.5,
+                                                    expected_batch_size=8.0, seed=SEED, chunk_size=CHUNK)
+        sums = [torch.full((5, 3), float(rank + 1)), torch.full((22,), -float(rank + 1))]
+        ghat = priv.privatize(sums)
+        torch.save({"rows": rows, "ghat": [g.clone() for g in ghat]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_shard_bounds_partition():
+    for m in (1, 7, 37, 100):
+        for world in range(1, min(m, 6) + 1):
+            bounds = [shard_bounds(m, world, r) for r in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == m
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [b - a for a, b in bounds]
+            assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(CorrnoiseError, match="rank"):
+        shard_bounds(10, 2, 2)
+
+
+def test_sharded_noise_needs_process_group():
+    from corrnoise.torch.distributed import ShardedNoise
+
+    with pytest.raises(CorrnoiseError, match="distributed"):
+        ShardedNoise(Identity(3), 10, seed=1)
+
+
+def test_two_gloo_processes_gather_single_process_noise(tmp_path):
+    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method=START)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, strategy in _strategies().items():
+        single = make_generator(strategy, M, noise_std=1.5, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)
+        expected = torch.stack([single.next_flat() for _ in range(STEPS)])
+        # independent: the materialized C^{-1} times the seed noise rows
+        z = torch.stack([seed_noise(SEED, t, M, chunk_size=CHUNK) for t in range(STEPS)]).numpy()
+        dense = 1.5 * strategy.noising_matrix()[:STEPS, :STEPS] @ z
+        for r in range(2):
+            got = results[r]["rows"][name]
+            assert torch.equal(got, expected), name  # bit-identical to the single process
+            np.testing.assert_allclose(got.numpy(), dense, rtol=1e-10, atol=1e-12)
+    # every rank has the same privatized gradient: (sum over ranks + clip * noise) / B
+    noise = make_generator(parse_strategy("bsr:3", STEPS), [(5, 3), (22,)], noise_std=2.0, seed=SEED,
+                           chunk_size=CHUNK).next()
+    want = [(torch.full((5, 3), 3.0) + 0.5 * noise[0]) / 8.0, (torch.full((22,), -3.0) + 0.5 * noise[1]) / 8.0]
+    for r in range(2):
+        for got, w in zip(results[r]["ghat"], want):
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
