@@ -27,6 +27,8 @@ the row is multiplied by the column norm of step t (Remark 2.19) at no extra mem
 The generator never keeps a reference to the tensor it returns (callers may modify it).
 ``state_dict()`` / ``load_state_dict()`` checkpoint the step counter and buffers;
 ``seek(t)`` fast-forwards a fresh generator (buffered kinds replay the steps, the others jump).
+A state dict holds the seed, from which all past noise can be rebuilt: keep checkpoints as
+private as the training data (publish model weights, never the generator state).
 A ``shard=(start, stop)`` generator produces only those coordinates of every row (tutorial
 Sec. 4.4.5, Eq. 4.13); the shards of all ranks concatenate to the unsharded noise.
 """
