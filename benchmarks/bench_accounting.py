@@ -1,7 +1,7 @@
 """Timings of representative `corrnoise account` commands (issue #4, methods gaussian/pld/rdp/bandmf).
 
-Runs each command as a whole process (imports included), best of ``--repeat``, and prints a
-markdown table for benchmarks/RESULTS.md.  Usage: .venv/bin/python benchmarks/bench_accounting.py
+Times each command in-process (best of ``--repeat``, imports excluded) and once as a whole
+process (imports included), and prints a markdown table for benchmarks/RESULTS.md.  Usage: .venv/bin/python benchmarks/bench_accounting.py
 """
 
 from __future__ import annotations
@@ -34,24 +34,45 @@ COMMANDS = [
 ]
 
 
+def _in_process(command: str) -> tuple[float, dict]:
+    import contextlib
+    import io
+
+    from corrnoise.cli import main as cli_main
+
+    buf = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(buf):
+        code = cli_main([*command.split(), "--json"])
+    elapsed = time.perf_counter() - t0
+    if code != 0:
+        raise RuntimeError(f"{command} exited {code}")
+    return elapsed, json.loads(buf.getvalue())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
           f"python {platform.python_version()}")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import corrnoise.cli"], check=True)
+    print(f"`python -c 'import corrnoise.cli'` (the fixed start-up cost of every command): "
+          f"{time.perf_counter() - t0:.2f} s")
     print()
-    print("| command | seconds (best) | epsilon | noise_std | noise_multiplier | method |")
-    print("|---|---|---|---|---|---|")
+    print("| command | in-process s (best) | whole process s | epsilon | noise_std | noise_multiplier | method |")
+    print("|---|---|---|---|---|---|---|")
     for command in COMMANDS:
         best, data = float("inf"), None
         for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            out = subprocess.run([CLI, *command.split(), "--json"], capture_output=True, text=True, check=True)
-            best = min(best, time.perf_counter() - t0)
-            data = json.loads(out.stdout)
-        print(f"| `corrnoise {command}` | {best:.2f} | {data['epsilon']:.4f} | {data['noise_std']:.4f} | "
-              f"{data['noise_multiplier']:.4f} | {data['method']} |", flush=True)
+            elapsed, data = _in_process(command)
+            best = min(best, elapsed)
+        t0 = time.perf_counter()
+        subprocess.run([CLI, *command.split(), "--json"], capture_output=True, text=True, check=True)
+        whole = time.perf_counter() - t0
+        print(f"| `corrnoise {command}` | {best:.2f} | {whole:.2f} | {data['epsilon']:.4f} | "
+              f"{data['noise_std']:.4f} | {data['noise_multiplier']:.4f} | {data['method']} |", flush=True)
     return 0
 
 
