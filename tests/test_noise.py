@@ -21,7 +21,7 @@ from corrnoise.noise import (
     step_seed,
 )
 from corrnoise.strategies import (
-    BLT, DPCGD, Banded, BandedSqrt, ColumnNormalized, Dense, Identity, Prefix, Toeplitz, ToeplitzSqrt, Tree,
+    BLT, DPCGD, Banded, BandedSqrt, ColumnNormalized, Identity, Prefix, ToeplitzSqrt,
 )
 
 N, M, CHUNK, SEED, NU = 9, 70, 16, 1234, 1.7

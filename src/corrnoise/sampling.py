@@ -28,8 +28,7 @@ shuffling; see the report for what that means for a formal guarantee.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 

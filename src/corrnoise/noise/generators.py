@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
