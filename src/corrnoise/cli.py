@@ -34,7 +34,32 @@ def _emit(data: dict[str, Any], as_json: bool, title: str) -> None:
     Console().print(table)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Commands defined in other layers, imported only when invoked so that `corrnoise loss` does not
+# pay for torch or dp_accounting at start-up: name -> "module:attribute".
+LAZY_COMMANDS = {
+    "account": "corrnoise.accounting.command:account_command",
+    "bench": "corrnoise.noise.bench:bench_group",
+    "optimize": "corrnoise.optimize.command:optimize_command",
+    "train": "corrnoise.train:train_command",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose heavier subcommands are imported on first use."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx, name):
+        if name in LAZY_COMMANDS and name not in self.commands:
+            import importlib
+
+            module, attr = LAZY_COMMANDS[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="corrnoise")
 def cli() -> None:
     """Differentially private learning with correlated noise (matrix-factorization mechanisms)."""
@@ -96,13 +121,6 @@ def demo(n: int, as_json: bool) -> None:
     Console().print(table)
 
 
-from .accounting.command import account_command  # noqa: E402
-cli.add_command(account_command)
-from .noise.bench import bench_group  # noqa: E402
-cli.add_command(bench_group)
-
-from .train import train_command  # noqa: E402
-cli.add_command(train_command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,7 +112,7 @@ class Poisson(Batching):
 
     @property
     def spec(self) -> str:
-        return f"poisson:{self.p:g}"
+        return f"poisson:{self.p!r}"
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class BlockCyclic(Batching):
 
     @property
     def spec(self) -> str:
-        return f"block-cyclic:{self.blocks}:{self.p:g}"
+        return f"block-cyclic:{self.blocks}:{self.p!r}"
 
     def steps_per_block(self, n: int) -> int:
         """Largest number of steps that sample one block: ceil(n / blocks) (block 0)."""
