@@ -90,31 +90,37 @@ def _phi2(z: torch.Tensor) -> torch.Tensor:
 class _Decay:
     """A set of decays w in complement form (om = 1 - w, accurate near w = 1).
 
-    ``x`` = log|w| (log1p(-om) for w > 0, log(-w) for w < 0); ``pos`` marks w > 0.
+    ``x`` = log|w| (log1p(-om) for w > 0, log(-w) for w < 0); ``pos`` marks w > 0 and
+    ``all_pos`` (decided on the values, piecewise constant) selects the branch-free fast path.
     """
 
     w: torch.Tensor
     om: torch.Tensor
     pos: torch.Tensor
     x: torch.Tensor
+    all_pos: bool
 
     @staticmethod
     def make(om: torch.Tensor) -> "_Decay":
         w = 1.0 - om
         pos = (w > 0).detach()
+        if bool(pos.all()):
+            return _Decay(w, om, pos, torch.log1p(-om), True)
         x = torch.where(
             pos,
             torch.log1p(-torch.where(pos, om, torch.full_like(om, 0.5))),
             torch.log(torch.where(pos, torch.full_like(w, 0.5), -w)),
         )
-        return _Decay(w, om, pos, x)
+        return _Decay(w, om, pos, x, False)
 
     def pairs(self) -> "_Decay":
         """The products w_k w_l (1 - w_k w_l = om_k + om_l - om_k om_l, accurate near 1)."""
         om = self.om[:, None] + self.om[None, :] - self.om[:, None] * self.om[None, :]
         w = self.w[:, None] * self.w[None, :]
-        pos = (w > 0).detach()
-        return _Decay(w, om, pos, self.x[:, None] + self.x[None, :])
+        x = self.x[:, None] + self.x[None, :]
+        if self.all_pos:
+            return _Decay(w, om, torch.ones_like(w, dtype=torch.bool), x, True)
+        return _Decay(w, om, (w > 0).detach(), x, False)
 
 
 def _gamma(n: int, d: _Decay) -> torch.Tensor:
@@ -126,6 +132,8 @@ def _gamma(n: int, d: _Decay) -> torch.Tensor:
     """
     if n == 0:
         return torch.zeros_like(d.w)
+    if d.all_pos:
+        return -torch.expm1(float(n) * d.x) / d.om
     pos_val = -torch.expm1(float(n) * d.x) / torch.where(d.pos, d.om, torch.ones_like(d.om))
     wn = torch.where(d.pos, torch.full_like(d.w, -0.5), d.w)
     neg_val = (1.0 - torch.pow(wn, float(n))) / (1.0 - wn)
@@ -140,6 +148,8 @@ def _gsum(n: int, d: _Decay) -> torch.Tensor:
     cancellation near w = 1 (phi2 by its Taylor series for small arguments).
     """
     nf = float(n)
+    if d.all_pos:
+        return d.x * d.x * (nf * nf * _phi2(nf * d.x) - nf * _phi2(d.x)) / (d.om * d.om)
     om = torch.where(d.pos, d.om, torch.ones_like(d.om))
     pos_val = d.x * d.x * (nf * nf * _phi2(nf * d.x) - nf * _phi2(d.x)) / (om * om)
     wn = torch.where(d.pos, torch.full_like(d.w, -0.5), d.w)
@@ -149,23 +159,33 @@ def _gsum(n: int, d: _Decay) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ inverse parameters
-def _secular_roots_complement(alpha: np.ndarray, q: np.ndarray) -> np.ndarray:
+def _eigen_guess(alpha: np.ndarray, q: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """1 - eig(Lam - 1 alpha^T), sorted (Lemma 2.16); bracket midpoints if LAPACK fails."""
+    try:
+        mat = np.diag(1.0 - q) - np.outer(np.ones(q.size), alpha)
+        return np.sort(1.0 - np.linalg.eigvals(mat).real)
+    except np.linalg.LinAlgError:
+        return 0.5 * (lo + hi)
+
+
+def _secular_roots_complement(alpha: np.ndarray, q: np.ndarray, guess: np.ndarray | None = None) -> np.ndarray:
     """omega_k = 1 - mu_k for the d real roots mu of f(w) = 1 + sum_i alpha_i / (w - lam_i).
 
     In omega = 1 - w: g(om) = 1 + sum_i alpha_i / (q_i - om) with q = 1 - lam. For alpha > 0
     and distinct q the roots interlace: one in each gap (q_(i), q_(i+1)) of the sorted q and
     one in (q_max, q_max + sum alpha]; on each bracket g increases from -inf to a value >= 0.
-    Start from the eigenvalues of Lam - 1 alpha^T (Lemma 2.16), then safeguarded Newton
-    (bisection whenever a step leaves the bracket) in the accurate omega coordinates.
+    Start from ``guess`` (the roots at a nearby point) where it lies in the brackets, else
+    from the eigenvalues of Lam - 1 alpha^T (Lemma 2.16); then safeguarded Newton (bisection
+    whenever a step leaves the bracket) in the accurate omega coordinates.
     """
     qs = np.sort(q)
     lo = qs.copy()
     hi = np.append(qs[1:], qs[-1] + float(np.sum(alpha)) + 1.0)
     with np.errstate(all="ignore"):
-        try:
-            est = np.sort(1.0 - np.linalg.eigvals(np.diag(1.0 - q) - np.outer(np.ones(q.size), alpha)).real)
-        except np.linalg.LinAlgError:
-            est = 0.5 * (lo + hi)
+        if guess is not None and guess.shape == q.shape and np.all((guess > lo) & (guess < hi)):
+            est = guess
+        else:
+            est = _eigen_guess(alpha, q, lo, hi)
         om = np.where((est > lo) & (est < hi), est, 0.5 * (lo + hi))
         for _ in range(100):
             diff = q[None, :] - om[:, None]
@@ -175,20 +195,25 @@ def _secular_roots_complement(alpha: np.ndarray, q: np.ndarray) -> np.ndarray:
             lo = np.where(neg, om, lo)
             hi = np.where(neg, hi, om)
             step = om - g / dg
-            inside = (step > lo) & (step < hi) & np.isfinite(step)
+            inside = (step >= lo) & (step <= hi) & np.isfinite(step)
             new = np.where(inside, step, 0.5 * (lo + hi))
-            done = np.abs(new - om) <= 4e-15 * np.abs(om)
+            done = np.abs(new - om) <= 1e-13 * np.abs(om)  # quadratic: one more step is exact
             om = new
             if np.all(done | (hi <= np.nextafter(lo, np.inf))):
                 break
     return om
 
 
-def _inverse_torch(alpha: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(alpha_hat, omega = 1 - lam_hat) of C^{-1} with the implicit-function gradient."""
-    om0 = torch.as_tensor(
-        _secular_roots_complement(alpha.detach().numpy(), q.detach().numpy()), dtype=_DT
-    )
+def _inverse_torch(alpha: torch.Tensor, q: torch.Tensor, cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha_hat, omega = 1 - lam_hat) of C^{-1} with the implicit-function gradient.
+
+    ``cache`` keeps the last roots as the starting guess for the next (nearby) evaluation.
+    """
+    guess = None if cache is None else cache.get("om")
+    roots = _secular_roots_complement(alpha.detach().numpy(), q.detach().numpy(), guess)
+    if cache is not None:
+        cache["om"] = roots
+    om0 = torch.as_tensor(roots, dtype=_DT)
     diff = q[None, :] - om0[:, None]  # (q_i - om_k) = (mu_k - lam_i)
     g = 1.0 + (alpha[None, :] / diff).sum(dim=1)
     dg = (alpha[None, :] / diff**2).sum(dim=1)  # d g / d om
@@ -291,9 +316,9 @@ class _Problem:
         return not isinstance(self.schema, Single)
 
 
-def _objective_torch(x: torch.Tensor, d: int, prob: _Problem, barrier: float):
+def _objective_torch(x: torch.Tensor, d: int, prob: _Problem, barrier: float, cache: dict | None = None):
     alpha, lam, q = _unpack(x, d, prob.multi)
-    a_hat, om = _inverse_torch(alpha, q)
+    a_hat, om = _inverse_torch(alpha, q, cache)
     sens2 = _sensitivity_squared(alpha, q, prob.n, prob.schema)
     if prob.workload.is_prefix:
         err = _error_closed_form(alpha, q, a_hat, om, prob.n, prob.objective)
@@ -343,31 +368,52 @@ def initial_blt(n: int, d: int, multi: bool = False) -> tuple[np.ndarray, np.nda
     return alpha, lam
 
 
+# Objective value returned for infeasible / overflowing points (|lam_hat| > 1 makes the error
+# grow like lam_hat^(2n)): large but finite, so the L-BFGS line search backtracks instead of
+# aborting on inf/nan.
+_INFEASIBLE = 1e6
+
+
 def _optimize_fixed_d(prob: _Problem, x0: np.ndarray, d: int, max_iterations: int, callback) -> tuple[np.ndarray, float]:
+    cache: dict = {}
+
     def fun(xn):
         x = torch.tensor(xn, dtype=_DT, requires_grad=True)
         try:
-            total, _ = _objective_torch(x, d, prob, _BARRIER_WEIGHT)
-        except (ValueError, RuntimeError, FloatingPointError):
-            return math.inf, np.zeros_like(xn)
-        if not torch.isfinite(total):
-            return math.inf, np.zeros_like(xn)
-        (g,) = torch.autograd.grad(total, x)
+            total, _ = _objective_torch(x, d, prob, _BARRIER_WEIGHT, cache)
+            if not torch.isfinite(total):
+                return _INFEASIBLE, np.zeros_like(xn)
+            (g,) = torch.autograd.grad(total, x)
+        except (ValueError, RuntimeError, FloatingPointError, np.linalg.LinAlgError):
+            return _INFEASIBLE, np.zeros_like(xn)
         g = g.numpy()
         if not np.all(np.isfinite(g)):
-            return math.inf, np.zeros_like(xn)
+            return _INFEASIBLE, np.zeros_like(xn)
         return float(total.detach()), g
 
     f0 = fun(x0)[0]
-    if not math.isfinite(f0):
+    if not f0 < _INFEASIBLE:
         return x0, math.inf
     res = sopt.minimize(
         fun, x0, jac=True, method="L-BFGS-B", callback=callback,
-        options={"maxiter": max_iterations, "maxcor": 20, "ftol": 1e-14, "gtol": 1e-10, "maxls": 40},
+        options={"maxiter": max_iterations, "maxcor": 20, "ftol": 1e-11, "gtol": 1e-8, "maxls": 40},
     )
-    if np.all(np.isfinite(res.x)) and math.isfinite(res.fun) and res.fun <= f0:
+    if np.all(np.isfinite(res.x)) and res.fun < _INFEASIBLE and res.fun <= f0:
         return res.x, float(res.fun)
     return x0, f0
+
+
+def _grow(alpha: np.ndarray, lam: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Warm start for d + 1 buffers: the d-buffer optimum plus a slow, tiny extra buffer.
+
+    The new decay sits between the slowest one and 1 - 1/n (the scale on which a length-n
+    mechanism can still use it); its scale is small, so the loss starts where d left it.
+    """
+    top = float(np.max(lam))
+    q_new = math.sqrt((1.0 - top) * (1.0 / n)) if (1.0 - top) > 1.0 / n else 0.5 * (1.0 - top)
+    lam_new = 1.0 - q_new
+    alpha_new = 0.05 * float(np.min(alpha))
+    return np.append(alpha, alpha_new), np.append(lam, lam_new)
 
 
 def optimize_blt(
@@ -404,24 +450,35 @@ def optimize_blt(
         if progress is not None:
             progress(counter["it"], math.exp(0.5 * float(intermediate_result.fun)))
 
-    sizes = [buffers] if buffers is not None else list(range(1, MAX_BUFFERS + 1))
-    best: tuple[float, np.ndarray, int] | None = None
-    prev = math.inf
-    for d in sizes:
-        a0, l0 = initial_blt(n, d, prob.multi)
-        x, f = _optimize_fixed_d(prob, _pack(a0, l0, prob.multi), d, max_iterations, callback)
-        candidate = _finalize(x, d, prob)
-        if candidate is not None:
-            loss = candidate[0]
+    top = buffers if buffers is not None else MAX_BUFFERS
+    best: tuple[float, np.ndarray, int] | None = None  # over all d (or d = buffers)
+    prev: tuple[float, np.ndarray, np.ndarray] | None = None  # best of the previous d
+    for d in range(1, top + 1):
+        starts = [initial_blt(n, d, prob.multi)]
+        if prev is not None:
+            starts.append(_grow(prev[1], prev[2], n))
+        found: tuple[float, np.ndarray, np.ndarray, np.ndarray] | None = None
+        for a0, l0 in starts:
+            x, _ = _optimize_fixed_d(prob, _pack(a0, l0, prob.multi), d, max_iterations, callback)
+            candidate = _finalize(x, d, prob)
+            if candidate is not None and (found is None or candidate[0] < found[0]):
+                found = (candidate[0], x, candidate[1], candidate[2])
+        if found is None:
+            if buffers is None and prev is not None:
+                break
+            prev = None  # the next d starts cold
+            continue
+        loss, x, alpha, lam = found
+        if buffers is None or d == buffers:
             if best is None or loss < best[0]:
                 best = (loss, x, d)
-        else:
-            loss = math.inf
-        if buffers is None and not (loss < prev * (1.0 - AUTO_BUFFER_GAIN)) and d > 1:
+        if buffers is None and prev is not None and not loss < prev[0] * (1.0 - AUTO_BUFFER_GAIN):
             break
-        prev = min(prev, loss)
+        prev = (loss, alpha, lam)
     if best is None:
-        raise CorrnoiseError("buffers", "BLT optimization did not produce valid parameters; try another number of buffers")
+        raise CorrnoiseError(
+            "buffers", "BLT optimization did not produce valid parameters; try another number of buffers"
+        )
     _, x, d = best
     alpha, lam = _finalize(x, d, prob)[1:]
     return BLT(alpha, lam, n)
