@@ -83,3 +83,9 @@ def test_mechanism_file_is_accepted_by_loss(capsys, tmp_path):
 def test_demo_runs(capsys):
     code, out, _ = run(capsys, "demo", "--n", "64", "--json")
     assert code == 0 and len(json.loads(out)["results"]) >= 5
+
+
+def test_requested_verification_is_never_dropped_silently(capsys):
+    code, out, err = run(capsys, "account", "identity", "--n", "100", "--batching", "poisson:0.01", "--sigma", "1",
+                         "--delta", "1e-5", "--verify")
+    assert code == 2 and out == "" and "verify" in err and len(err.strip().splitlines()) == 1

@@ -61,6 +61,7 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
     """(epsilon, delta) of MECHANISM for a noise level, or the noise for a target epsilon."""
     from ..strategies import parse_strategy
     from . import account, calibrate, parse_batching
+    from .base import choose_method
 
     if n < 1:
         raise CorrnoiseError("n", f"must be >= 1, got {n}")
@@ -75,9 +76,11 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
     strategy = parse_strategy(mechanism, n)
     options = {"samples": samples, "seed": seed, "progress": (not as_json) and sys.stderr.isatty(),
                "verify": True if verify else None, "lower_bound": True if lower_bound else None}
+    chosen = choose_method(strategy, spec) if method == "auto" else method
     for flag, name, methods in (("--verify", "verify", ("mc",)), ("--lower-bound", "lower_bound", ("mmcc",))):
-        if options[name] and method not in ("auto", *methods):
-            raise CorrnoiseError(name, f"{flag} applies to --method {'/'.join(methods)} only")
+        if options[name] and chosen not in methods:  # never drop a requested guarantee silently
+            raise CorrnoiseError(name, f"{flag} applies to --method {'/'.join(methods)} only "
+                                       f"(this mechanism and batching use {chosen})")
     if epsilon is not None:
         result = calibrate(strategy, spec, epsilon=epsilon, delta=delta, method=method, **options)
     else:
