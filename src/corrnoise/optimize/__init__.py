@@ -3,13 +3,29 @@
 Every optimizer returns a valid :class:`corrnoise.strategies.Strategy` (lower-triangular, positive
 diagonal, finite) or raises :class:`corrnoise.errors.CorrnoiseError`; report losses with
 :func:`corrnoise.losses.loss_report` on the returned strategy, never an optimizer's internal number.
-The banded Toeplitz and BLT optimizers live in ``toeplitz.py`` / ``blt.py`` and are imported
-lazily (they pull in heavier dependencies).
+
+- :func:`optimize_dense` (``dense.py``): tutorial Problems 4.3 / 4.6 / 4.8, certified optimum.
+- :func:`optimize_banded`, :func:`sweep_bands` (``banded.py``): general column-normalized banded.
+- ``optimize_banded_toeplitz`` (``toeplitz.py``) and ``optimize_blt`` (``blt.py``).
+
+Attributes are imported on first use so that ``import corrnoise.optimize`` does not load torch.
 """
 
-from .banded import optimize_banded, sweep_bands
-from .common import OBJECTIVES
-from .dense import optimize_dense
+from importlib import import_module
+
+_LAZY = {
+    "optimize_dense": ".dense",
+    "optimize_banded": ".banded",
+    "sweep_bands": ".banded",
+    "optimize_banded_toeplitz": ".toeplitz",
+    "optimize_blt": ".blt",
+    "OBJECTIVES": ".common",
+}
+
+__all__ = sorted(_LAZY)
 
 
-__all__ = ["OBJECTIVES", "optimize_banded", "optimize_dense", "sweep_bands"]
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
