@@ -113,6 +113,13 @@ class _Decay:
         )
         return _Decay(w, om, pos, x, False)
 
+    def with_pairs(self) -> "_Decay":
+        """This set followed by its d^2 pairwise products (flattened), as one set."""
+        p = self.pairs()
+        return _Decay(torch.cat([self.w, p.w.reshape(-1)]), torch.cat([self.om, p.om.reshape(-1)]),
+                      torch.cat([self.pos, p.pos.reshape(-1)]), torch.cat([self.x, p.x.reshape(-1)]),
+                      self.all_pos and p.all_pos)
+
     def pairs(self) -> "_Decay":
         """The products w_k w_l (1 - w_k w_l = om_k + om_l - om_k om_l, accurate near 1)."""
         om = self.om[:, None] + self.om[None, :] - self.om[:, None] * self.om[None, :]
@@ -148,10 +155,11 @@ def _gsum(n: int, d: _Decay) -> torch.Tensor:
     cancellation near w = 1 (phi2 by its Taylor series for small arguments).
     """
     nf = float(n)
+    p2 = _phi2(torch.cat([nf * d.x, d.x])).reshape(2, -1)  # one batched series evaluation
     if d.all_pos:
-        return d.x * d.x * (nf * nf * _phi2(nf * d.x) - nf * _phi2(d.x)) / (d.om * d.om)
+        return d.x * d.x * (nf * nf * p2[0] - nf * p2[1]) / (d.om * d.om)
     om = torch.where(d.pos, d.om, torch.ones_like(d.om))
-    pos_val = d.x * d.x * (nf * nf * _phi2(nf * d.x) - nf * _phi2(d.x)) / (om * om)
+    pos_val = d.x * d.x * (nf * nf * p2[0] - nf * p2[1]) / (om * om)
     wn = torch.where(d.pos, torch.full_like(d.w, -0.5), d.w)
     gam = (1.0 - torch.pow(wn, nf)) / (1.0 - wn)
     neg_val = (nf - gam) / (1.0 - wn)
@@ -251,12 +259,14 @@ def _error_closed_form(alpha, q, a_hat, om, n, objective):
     beta = 1.0 / (1.0 + (alpha / q).sum())
     e = -a_hat / om
     mu = _Decay.make(om)
-    mu2 = mu.pairs()
+    both = mu.with_pairs()  # the d decays and their d^2 products, evaluated in one batch
+    d = om.numel()
     nf = float(n)
+    g = _gamma(n, both)
     if objective == "max":
-        return nf * beta * beta + 2.0 * beta * (e * _gamma(n, mu)).sum() + e @ _gamma(n, mu2) @ e
-    h1 = _gsum(n, mu) + _gamma(n, mu)
-    h2 = _gsum(n, mu2) + _gamma(n, mu2)
+        return nf * beta * beta + 2.0 * beta * (e * g[:d]).sum() + e @ g[d:].reshape(d, d) @ e
+    h = _gsum(n, both) + g
+    h1, h2 = h[:d], h[d:].reshape(d, d)
     total = beta * beta * nf * (nf + 1.0) / 2.0 + 2.0 * beta * (e * h1).sum() + e @ h2 @ e
     return total / nf
 

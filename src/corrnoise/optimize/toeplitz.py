@@ -59,6 +59,7 @@ _FIXED_POINT_HEAD = 100_000
 # Up to this many bands the decoder is an IIR filter (O(n p)); beyond, FFT Newton (O(n log n)).
 _FILTER_MAX_BANDS = 128
 _OBJECTIVES = ("rms", "max")
+_INFEASIBLE = 1e6
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -278,14 +279,18 @@ def optimize_banded_toeplitz(
     c0 = _initial_coefficients(workload, bands)
 
     def loss_grad_c(c):
-        s2, gs = toeplitz_sensitivity_squared_and_grad(c, n, schema)
-        err, ge = toeplitz_error_and_grad(c, spec)
-        if not (s2 > 0.0 and err > 0.0 and math.isfinite(s2) and math.isfinite(err)):
-            return math.inf, np.zeros_like(c)
-        f = math.log(s2) + math.log(err)
-        g = gs / s2 + ge / err
-        if not np.all(np.isfinite(g)):
-            return math.inf, np.zeros_like(c)
+        with np.errstate(all="ignore"):
+            s2, gs = toeplitz_sensitivity_squared_and_grad(c, n, schema)
+            err, ge = toeplitz_error_and_grad(c, spec)
+            ok = s2 > 0.0 and err > 0.0 and math.isfinite(s2) and math.isfinite(err)
+            if ok:
+                f = math.log(s2) + math.log(err)
+                g = gs / s2 + ge / err
+                ok = bool(np.all(np.isfinite(g)))
+        if not ok:
+            # C^{-1} unstable (beta overflows) or degenerate: large but finite, so the line
+            # search backtracks instead of aborting.
+            return _INFEASIBLE, np.zeros_like(c)
         return f, g
 
     if monotone:
