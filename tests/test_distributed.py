@@ -70,6 +70,14 @@ def test_shard_bounds_partition():
         shard_bounds(10, 2, 2)
 
 
+def test_local_batches_partition_the_global_batch():
+    from corrnoise.torch.distributed import local_batch
+
+    batch = [3, 9, 11, 20, 21]
+    parts = [local_batch(batch, r, 3) for r in range(3)]
+    assert sorted(sum(parts, [])) == batch and parts[0] == [3, 20]
+
+
 def test_sharded_noise_needs_process_group():
     from corrnoise.torch.distributed import ShardedNoise
 

@@ -172,7 +172,8 @@ def test_sgd_step_is_theta_minus_lr_times_privatized_gradient():
 def test_make_private_three_lines_and_spent_epsilon(make_opt):
     model = _mlp()
     private = make_private(model, make_opt(model.parameters()), F.cross_entropy, _dataset(), mechanism="identity",
-                           epsilon=4.0, delta=1e-5, batch_size=10, steps=6, seed=0)
+                           epsilon=4.0, delta=1e-5, batch_size=10, steps=6, seed=0,
+                           accounting_options={"discretization": 1e-3})
     for x, y in private.data_loader:
         private.step(x, y)
     spent = private.privacy_spent()

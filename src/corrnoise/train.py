@@ -116,7 +116,7 @@ def _plan_one(name: str, num_examples: int, batch_size: int, epochs: float, epsi
             raise CorrnoiseError("batch_size", f"block-cyclic sampling needs batch_size * 2 <= {n_ex}")
         return best
     # unamplified: fixed batches in a fixed cyclic order
-    sampler = CyclicSampler(n_ex, b, epochs=max(1, int(math.ceil(epochs))), seed=seed)
+    sampler = CyclicSampler(n_ex, b, steps=max(1, int(round(epochs * (n_ex // b)))), seed=seed)
     n = sampler.steps
     batching = sampler.batching()
     if name == "blt":
@@ -160,7 +160,7 @@ def train_digits(
     *,
     epsilon: float = 8.0,
     delta: float = 1e-5,
-    epochs: float = 20,
+    epochs: float = 5,
     batch_size: int = 64,
     seed: int = 0,
     lr: float = 0.5,
@@ -288,7 +288,7 @@ class _progress:
 @click.option("--mechanism", default="auto", show_default=True, help="dpsgd | bandmf | blt | dpcgd | auto")
 @click.option("--epsilon", type=float, required=True, help="Target epsilon (the reported one never exceeds it).")
 @click.option("--delta", type=float, required=True, help="Target delta.")
-@click.option("--epochs", type=float, default=20, show_default=True, help="Passes over the training data.")
+@click.option("--epochs", type=float, default=5, show_default=True, help="Passes over the training data.")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="(Expected) batch size B.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling, noise and model init.")
 @click.option("--lr", type=float, default=0.5, show_default=True, help="Learning rate.")

@@ -29,7 +29,7 @@ from ..errors import CorrnoiseError, check_int
 from ..noise import DEFAULT_CHUNK, make_generator, resolve_dim
 from .privatizer import Privatizer
 
-__all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed"]
+__all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed", "local_batch"]
 
 
 def shard_bounds(m: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -130,6 +130,15 @@ class ShardedNoise:
             raise CorrnoiseError("state", f"saved by rank {state.get('rank')} of {state.get('world_size')}, "
                                  f"this is rank {self.rank} of {self.world_size}")
         self.local.load_state_dict(state["local"])
+
+
+def local_batch(indices, rank: int, world_size: int) -> list:
+    """This rank's part of a global batch: every ``world_size``-th index from ``rank``.
+
+    All ranks iterate the same sampler (same seed), so the global batch -- the one the
+    accounting analyses -- is formed once, and the ranks' parts partition it."""
+    rank = check_int("rank", rank, minimum=0, maximum=check_int("world_size", world_size, minimum=1) - 1)
+    return list(indices)[rank::world_size]
 
 
 class DistributedPrivatizer(Privatizer):

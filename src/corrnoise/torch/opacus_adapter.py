@@ -109,6 +109,7 @@ class OpacusRun:
     noise_std: float
     delta: float
     accounting_method: str = "auto"
+    accounting_options: dict | None = None
 
     @property
     def steps_taken(self) -> int:
@@ -117,7 +118,8 @@ class OpacusRun:
     def privacy_spent(self, **options: Any):
         """(epsilon, delta) for the steps taken so far (one per noise row used)."""
         return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta,
-                             steps=self.steps_taken, method=self.accounting_method, **options)
+                             steps=self.steps_taken, method=self.accounting_method,
+                             **{**(self.accounting_options or {}), **options})
 
 
 def make_private_opacus(
@@ -139,6 +141,7 @@ def make_private_opacus(
     accounting_method: str = "auto",
     noise_method: str = "auto",
     grad_sample_mode: str = "hooks",
+    accounting_options: dict | None = None,
 ) -> OpacusRun:
     """Like :func:`corrnoise.torch.make_private`, but per-sample gradients, clipping and the
     optimizer flow are Opacus's (``GradSampleModule`` + ``DPOptimizer``); the noise is ours."""
@@ -146,10 +149,11 @@ def make_private_opacus(
     strategy, sampler, agreement, nu = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps, sampler=sampler,
-        seed=seed, accounting_method=accounting_method)
+        seed=seed, accounting_method=accounting_method, accounting_options=accounting_options)
     gsm = module if isinstance(module, opacus.GradSampleModule) else opacus.GradSampleModule(
         module, batch_first=True, loss_reduction="mean", strict=True, force_functorch=grad_sample_mode == "functorch")
     dp_opt = correlated_dp_optimizer(optimizer, strategy, noise_std=nu, max_grad_norm=max_grad_norm,
                                      expected_batch_size=sampler.expected_batch_size, seed=seed, method=noise_method)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_SafeCollate(dataset))
-    return OpacusRun(gsm, dp_opt, loader, strategy, sampler, agreement.batching, nu, delta, accounting_method)
+    return OpacusRun(gsm, dp_opt, loader, strategy, sampler, agreement.batching, nu, delta, accounting_method,
+                     accounting_options)

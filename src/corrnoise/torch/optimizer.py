@@ -238,6 +238,7 @@ class PrivateOptimizer:
         accounting_method: str = "auto",
         sampler: BatchSampler | None = None,
         chunk_size: int | None = None,
+        accounting_options: dict[str, Any] | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise CorrnoiseError("optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -258,6 +259,7 @@ class PrivateOptimizer:
                                     method=accounting_method, delta=self.delta)
         self.batching = agreement.batching
         self.accounting_method = accounting_method
+        self.accounting_options = dict(accounting_options or {})
         self.steps = agreement.steps
         if privatizer.steps < self.steps:
             raise CorrnoiseError("steps", f"the noise generator has {privatizer.steps} rows for {self.steps} steps")
@@ -315,7 +317,7 @@ class PrivateOptimizer:
         calibrated the noise. Zero steps: epsilon 0."""
         k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
         return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
-                             method=self.accounting_method, **options)
+                             method=self.accounting_method, **{**self.accounting_options, **options})
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "privatizer": self.privatizer.state_dict(),
@@ -427,6 +429,7 @@ def plan_private(
     sampler: BatchSampler | str = "auto",
     seed: int | None = None,
     accounting_method: str = "auto",
+    accounting_options: dict[str, Any] | None = None,
 ) -> tuple[Strategy, BatchSampler, Agreement, float]:
     """(strategy, sampler, agreement, noise_std): the checked plan behind :func:`make_private`
     (and the Opacus adapter). Arguments as for :func:`make_private`."""
@@ -466,7 +469,8 @@ def plan_private(
     agreement = check_agreement(strategy, sampler=sampler, steps=run_steps, method=accounting_method, delta=delta)
     accounted = strategy if isinstance(agreement.batching, NoBatching) else leading_strategy(strategy, run_steps)
     if epsilon is not None:
-        result = calibrate(accounted, agreement.batching, epsilon=epsilon, delta=delta, method=accounting_method)
+        result = calibrate(accounted, agreement.batching, epsilon=epsilon, delta=delta, method=accounting_method,
+                           **(accounting_options or {}))
         nu = result.noise_std
     elif noise_std is not None:
         nu = check_real("noise_std", noise_std, low=0.0, low_open=True)
@@ -499,6 +503,7 @@ def make_private(
     noise_method: str = "auto",
     num_workers: int = 0,
     chunk_size: int | None = None,
+    accounting_options: dict[str, Any] | None = None,
 ) -> PrivateOptimizer:
     """Privatize an existing training loop.
 
@@ -509,11 +514,13 @@ def make_private(
     :mod:`corrnoise.sampling` sampler or one of ``auto, poisson, block-cyclic, cyclic,
     balls-in-bins`` built from ``batch_size`` and ``epochs`` / ``steps``. With a ``dataset``
     the result has a ``data_loader`` yielding the sampler's batches (possibly empty).
+    ``accounting_options`` go to the accounting method for calibration and ``privacy_spent``
+    (e.g. ``{"discretization": 1e-3}`` for a coarser, still pessimistic, PLD grid).
     """
     strategy, sampler, agreement, nu = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps, sampler=sampler,
-        seed=seed, accounting_method=accounting_method)
+        seed=seed, accounting_method=accounting_method, accounting_options=accounting_options)
     run_steps = agreement.steps
     params = list(trainable_parameters(model).values())
     privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=clip_norm,
@@ -521,7 +528,7 @@ def make_private(
                                            method=noise_method)
     private = PrivateOptimizer(optimizer, model, loss_fn, privatizer, strategy=strategy, batching=agreement.batching,
                                delta=delta, steps=run_steps, accounting_method=accounting_method, sampler=sampler,
-                               chunk_size=chunk_size)
+                               chunk_size=chunk_size, accounting_options=accounting_options)
     if dataset is not None:
         from torch.utils.data import DataLoader
 
