@@ -327,3 +327,19 @@ def test_opacus_adapter_adds_our_correlated_noise():
         torch.testing.assert_close(p.detach(), rp.detach(), rtol=1e-5, atol=1e-7)
     assert run.steps_taken == 2
     assert run.privacy_spent().epsilon > 0
+
+
+def test_unamplified_run_shorter_than_the_mechanism_accounts_its_leading_block():
+    model = _mlp()
+    sampler = CyclicSampler(40, 8, steps=10, seed=0)  # 2 epochs of 5 batches: cyclic:2:5
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                           mechanism=parse_strategy("toeplitz-sqrt", 30), epsilon=2.0, delta=1e-5, sampler=sampler)
+    for x, y in private.data_loader:
+        private.step(x, y)
+    from corrnoise.accounting import parse_batching
+
+    want = account(parse_strategy("toeplitz-sqrt", 10), parse_batching("none", "cyclic:2:5"), delta=1e-5,
+                   noise_std=private.noise_std)
+    spent = private.privacy_spent()
+    assert spent.epsilon == pytest.approx(want.epsilon, rel=1e-12) and spent.epsilon <= 2.0
+    assert spent.epsilon == pytest.approx(2.0, rel=1e-6)

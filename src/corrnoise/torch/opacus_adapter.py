@@ -118,7 +118,7 @@ class OpacusRun:
     def privacy_spent(self, **options: Any):
         """(epsilon, delta) for the steps taken so far (one per noise row used)."""
         return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta,
-                             steps=self.steps_taken, method=self.accounting_method,
+                             steps=self.steps_taken, planned_steps=self.sampler.steps, method=self.accounting_method,
                              **{**(self.accounting_options or {}), **options})
 
 

@@ -198,16 +198,19 @@ def leading_strategy(strategy: Strategy, steps: int) -> Strategy:
 
 
 def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: float, steps: int,
-                  method: str = "auto", **options: Any) -> PrivacyResult:
+                  planned_steps: int | None = None, method: str = "auto", **options: Any) -> PrivacyResult:
     """(epsilon, delta) after ``steps`` steps of ``strategy`` with this noise and batching.
 
     Amplified batchings analyse the leading ``steps`` x ``steps`` block of C (fewer steps, fewer
-    compositions); unamplified accounting keeps the full mechanism and its participation schema
-    (conservative before the end of the run). Zero steps: epsilon 0.
+    compositions); unamplified accounting analyses the ``planned_steps`` block, the run its
+    participation schema describes (conservative before the end of the run). Zero steps: 0.
     """
     if steps == 0:
         return PrivacyResult(0.0, delta, noise_std, math.nan, "none", {"steps": 0})
-    accounted = strategy if isinstance(batching, NoBatching) else leading_strategy(strategy, steps)
+    if isinstance(batching, NoBatching):
+        accounted = leading_strategy(strategy, max(steps, planned_steps or steps))
+    else:
+        accounted = leading_strategy(strategy, steps)
     result = account(accounted, batching, delta=delta, noise_std=noise_std, method=method, **options)
     return result.with_extras(steps=int(steps))
 
@@ -317,7 +320,7 @@ class PrivateOptimizer:
         calibrated the noise. Zero steps: epsilon 0."""
         k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
         return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
-                             method=self.accounting_method, **{**self.accounting_options, **options})
+                             planned_steps=self.steps, method=self.accounting_method, **{**self.accounting_options, **options})
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "privatizer": self.privatizer.state_dict(),
@@ -467,7 +470,7 @@ def plan_private(
         strategy = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, run_steps)
 
     agreement = check_agreement(strategy, sampler=sampler, steps=run_steps, method=accounting_method, delta=delta)
-    accounted = strategy if isinstance(agreement.batching, NoBatching) else leading_strategy(strategy, run_steps)
+    accounted = leading_strategy(strategy, run_steps)
     if epsilon is not None:
         result = calibrate(accounted, agreement.batching, epsilon=epsilon, delta=delta, method=accounting_method,
                            **(accounting_options or {}))
