@@ -343,3 +343,25 @@ def test_unamplified_run_shorter_than_the_mechanism_accounts_its_leading_block()
     spent = private.privacy_spent()
     assert spent.epsilon == pytest.approx(want.epsilon, rel=1e-12) and spent.epsilon <= 2.0
     assert spent.epsilon == pytest.approx(2.0, rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("backward_on_empty", [False, True])
+def test_opacus_adapter_empty_poisson_batches_still_use_their_noise_row(backward_on_empty):
+    pytest.importorskip("opacus")
+    from corrnoise.torch.opacus_adapter import make_private_opacus
+
+    model = _mlp()
+    sampler = PoissonSampler(40, 0.02, 12, seed=1)
+    empty = sum(1 for b in sampler if not b)
+    assert empty > 0
+    run = make_private_opacus(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(), mechanism="identity",
+                              noise_std=1.0, delta=1e-5, sampler=sampler, seed=0,
+                              accounting_options={"discretization": 1e-3})
+    for x, y in run.data_loader:
+        run.optimizer.zero_grad()
+        if len(x) or backward_on_empty:
+            F.cross_entropy(run.module(x), y).backward()
+        run.optimizer.step()
+    assert run.steps_taken == 12
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -60,6 +60,22 @@ def _optimizer_class():
                              expected_batch_size=expected_batch_size, **kwargs)
             self.noise_source = noise_source
 
+        def pre_step(self, closure=None):
+            if self.params and all(getattr(p, "grad_sample", None) is None for p in self.params):
+                # an empty (Poisson) batch, no backward: the clipped sum is 0, the noise row is still used
+                for p in self.params:
+                    if p.summed_grad is None:
+                        p.summed_grad = torch.zeros_like(p)
+                self.add_noise()
+                if self.loss_reduction == "mean":
+                    for p in self.params:
+                        p.grad /= self.expected_batch_size
+                if self.step_hook:
+                    self.step_hook(self)
+                self._is_last_step_skipped = False
+                return True
+            return super().pre_step(closure)
+
         def add_noise(self):
             noise = self.noise_source.next()
             noise = [noise] if isinstance(noise, torch.Tensor) else list(noise)
