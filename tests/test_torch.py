@@ -365,3 +365,26 @@ def test_opacus_adapter_empty_poisson_batches_still_use_their_noise_row(backward
         run.optimizer.step()
     assert run.steps_taken == 12
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_fixed_size_balls_in_bins_batches_pad_with_zero_weight():
+    from corrnoise.sampling import BallsInBinsSampler
+
+    model = _mlp()
+    sampler = BallsInBinsSampler(40, 5, 10, batch_size=8, seed=4)  # bins of ~8: some padded, some truncated
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), F.cross_entropy, _dataset(),
+                           mechanism="identity", noise_std=1e-300, delta=1e-5, sampler=sampler, clip_norm=0.5)
+    assert private.batching.spec == "balls-in-bins:5"
+    x_all, y_all = _dataset().tensors
+    padded_seen = 0
+    for t, ((x, y), w) in enumerate(private.data_loader):
+        assert x.shape[0] == 8  # always exactly B entries
+        real = [i for i in sampler.batch(t) if i < 40]
+        padded_seen += int((w == 0).sum())
+        assert int((w > 0).sum()) == len(real)
+        private.step(x, y, weights=w)
+        got = [p.grad for p in model.parameters()]  # (sum over real examples + ~0 noise) / B
+        want, _ = clipped_gradient_sum(_mlp(), F.cross_entropy, x_all[real], y_all[real], 0.5)
+        for g, s in zip(got, want):
+            torch.testing.assert_close(g, s / 8.0)
+    assert padded_seen == sampler.padding_report()["padded"] > 0

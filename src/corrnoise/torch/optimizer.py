@@ -516,7 +516,9 @@ def make_private(
     (nu) or ``noise_multiplier`` (sigma = nu / ||C||_col). ``sampler`` is a ready
     :mod:`corrnoise.sampling` sampler or one of ``auto, poisson, block-cyclic, cyclic,
     balls-in-bins`` built from ``batch_size`` and ``epochs`` / ``steps``. With a ``dataset``
-    the result has a ``data_loader`` yielding the sampler's batches (possibly empty).
+    the result has a ``data_loader`` yielding the sampler's batches (possibly empty); with a
+    fixed-size balls-in-bins sampler it yields ``((x, y), w)`` with weight 0 for padding entries:
+    call ``step(x, y, weights=w)`` (seed 000 App. I: always B entries, always divided by B).
     ``accounting_options`` go to the accounting method for calibration and ``privacy_spent``
     (e.g. ``{"discretization": 1e-3}`` for a coarser, still pessimistic, PLD grid).
     """
@@ -535,6 +537,8 @@ def make_private(
     if dataset is not None:
         from torch.utils.data import DataLoader
 
+        if isinstance(sampler, BallsInBinsSampler) and sampler.batch_size is not None:
+            dataset = sampler.wrap_dataset(dataset)  # padding entries -> (item, weight 0), seed 000 App. I
         private.data_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_SafeCollate(dataset),
                                          num_workers=num_workers)
     return private
