@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import scipy.fft as sfft
 from scipy.signal import lfilter
-from scipy.special import expit, log_ndtr, logit, ndtr, ndtri
+from scipy.special import expit, logit, ndtr, ndtri
 from scipy.stats import binom
 
 from ..errors import CorrnoiseError, check_int, check_real
@@ -393,7 +393,8 @@ def sensitivity_pmf(c: np.ndarray, q: np.ndarray, s_step: float, tail: float = _
     return w[: top + 1], lost
 
 
-def _log_mixture_ratio(x: np.ndarray, s: np.ndarray, logw: np.ndarray, noise_std: float) -> tuple[np.ndarray, np.ndarray]:
+def _log_mixture_ratio(x: np.ndarray, s: np.ndarray, logw: np.ndarray,
+                       noise_std: float) -> tuple[np.ndarray, np.ndarray]:
     """l(x) = log sum_k w_k exp((2 s_k x - s_k^2) / (2 nu^2)) and l'(x) = E_post[s] / nu^2 on a
     uniform grid x, by a separable log-sum-exp: x = x1 + x2, one BLAS product (no cancellation:
     every term is positive)."""
@@ -630,7 +631,8 @@ def _as_matrix(strategy: Any, n: int | None) -> tuple[np.ndarray, str]:
         try:
             cmat = np.asarray(strategy, dtype=np.float64)
         except (TypeError, ValueError):
-            raise CorrnoiseError("mechanism", f"expected a strategy or a square matrix, got {type(strategy).__name__}") from None
+            raise CorrnoiseError("mechanism", "expected a strategy or a square matrix, "
+                                 f"got {type(strategy).__name__}") from None
         if n is not None and cmat.ndim == 2 and cmat.shape[0] != int(n):
             raise CorrnoiseError("n", f"matrix has {cmat.shape[0]} rows but n = {n}")
     if cmat.ndim != 2 or cmat.shape[0] != cmat.shape[1] or cmat.shape[0] == 0:
@@ -825,7 +827,7 @@ def _split_candidates(delta_split: Any) -> tuple[float, ...]:
     return (check_real("delta_split", delta_split, low=0.0, high=1.0, low_open=True, high_open=True),)
 
 
-def _search_order(candidates: Sequence[float], tried: dict[float, float], evaluate: Callable[[float], float]):
+def _search_order(candidates: Sequence[float], evaluate: Callable[[float], float]):
     """Walk the sorted candidate fractions from the middle towards the better side (epsilon is
     unimodal in delta_1 in practice: a larger delta_1 buys tighter p~ and costs PLD delta);
     stop as soon as epsilon gets worse or the split is irrelevant (no tail events)."""
@@ -905,19 +907,17 @@ def mmcc_epsilon(
             eps = max(pld_epsilon(rem, delta), pld_epsilon(add, delta))
             best = (eps, {**info, "delta_tail": 0.0, "delta_pld": delta})
         else:
-            tried: dict[float, float] = {}
-
             def evaluate(frac: float) -> float:
                 nonlocal best
                 rem, add, info = mmcc_plds(cmat, None, p, noise_std, frac * delta, offset=off, **kw)
                 d1 = frac * delta if info["tail_events"] else 0.0
                 eps = max(pld_epsilon(rem, delta - d1), pld_epsilon(add, delta - d1))
                 if best is None or eps < best[0]:
-                    best = (eps, {**info, "delta_tail": d1, "delta_pld": delta - d1, "delta_split": frac})
-                tried[frac] = eps if info["tail_events"] else -math.inf
-                return tried[frac]
+                    split = frac if info["tail_events"] else 0.0
+                    best = (eps, {**info, "delta_tail": d1, "delta_pld": delta - d1, "delta_split": split})
+                return eps if info["tail_events"] else -math.inf
 
-            for frac in _search_order(candidates, tried, evaluate):
+            for _ in _search_order(candidates, evaluate):
                 pass
         assert best is not None
         best[1]["offset"] = off

@@ -1,0 +1,87 @@
+"""MMCC speed and tightness (issue #4 item 4, seed 001).
+
+Times ``mmcc_epsilon`` (full delta-split search) and its lower-bound variant (p~ = p, seed 001
+"Tightness") on the issue's two targets, at noise levels giving epsilon in a realistic range,
+and prints a markdown table for benchmarks/RESULTS.md:
+
+* ``toeplitz-sqrt``, n = 512, Poisson p = 1/16 (target: under 2 minutes);
+* ``bsr:64``, n = 2048, Poisson p = 1/128 (target: under 10 minutes; the paper reports hours
+  for n >= 2000).
+
+Plus one generalized-MMCC row (block-cyclic, bands <= blocks) against the tutorial Thm 3.21
+reduction.  Usage: ``.venv/bin/python benchmarks/bench_mmcc.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+from corrnoise.accounting.mmcc import mmcc_epsilon
+from corrnoise.strategies import parse_strategy
+
+DELTA = 1e-6
+CASES = [
+    # (mechanism, n, p, noise_std, blocks)
+    ("toeplitz-sqrt", 512, 1 / 16, 24.0, 1),
+    ("toeplitz-sqrt", 512, 1 / 16, 36.0, 1),
+    ("bsr:64", 2048, 1 / 128, 10.0, 1),
+    ("bsr:64", 2048, 1 / 128, 20.0, 1),
+    ("bsr:64", 2048, 1 / 2, 4.0, 64),  # block-cyclic, 64 blocks at rate 1/2: = Thm 3.21
+]
+
+
+def _load() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        return "n/a"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="only the first case of each mechanism")
+    parser.add_argument("--no-lower", action="store_true", help="skip the lower-bound variant")
+    args = parser.parse_args()
+    cases = CASES[::2] if args.quick else CASES
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    rows = []
+    for name, n, p, nu, blocks in cases:
+        strat = parse_strategy(name, n)
+        load_before = _load()
+        t0 = time.perf_counter()
+        res = mmcc_epsilon(strat, n, p, nu, DELTA, blocks=blocks)
+        t_upper = time.perf_counter() - t0
+        lower = None
+        t_lower = float("nan")
+        if not args.no_lower:
+            t0 = time.perf_counter()
+            lower = mmcc_epsilon(strat, n, p, nu, DELTA, blocks=blocks, lower_bound=True)
+            t_lower = time.perf_counter() - t0
+        ref = ""
+        if blocks > 1 and strat.bands <= blocks:
+            from corrnoise.accounting.base import account
+
+            ref_res = account(strat, f"block-cyclic:{blocks}:{p}", noise_std=nu, delta=DELTA, method="bandmf")
+            ref = f"bandmf {ref_res.epsilon:.4f}"
+        x = res.extras
+        rows.append(
+            f"| `{name}` | {n} | {'poisson' if blocks == 1 else f'block-cyclic:{blocks}'}:{p:g} | {nu:g} "
+            f"| {res.noise_multiplier:.3f} | {res.epsilon:.4f} | {lower.epsilon if lower else float('nan'):.4f} "
+            f"| {x['epsilon_unamplified']:.1f} | {x['max_p_tilde_ratio']:.2f} | {x.get('delta_split', 0):g} "
+            f"| {x['unique_rows']}/{x['rows']} | {t_upper:.1f} | {t_lower:.1f} | {load_before} | {ref} |"
+        )
+        print(rows[-1], flush=True)
+    print()
+    print("| mechanism | n | batching | noise_std | sigma | eps MMCC | eps lower (p~=p) | eps unamplified "
+          "| max p~/p | delta_1/delta | unique/rows | s MMCC | s lower | load (1/5/15 min) | reference |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for row in rows:
+        print(row)
+    print(f"\ndelta = {DELTA:g}; load after: {_load()}")
+
+
+if __name__ == "__main__":
+    main()
