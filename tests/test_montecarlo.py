@@ -314,3 +314,19 @@ def test_calibration_pruning_bound_is_valid():
         y_add, y_rem = mc._Losses(red, nu).both(u)
         assert not np.any((y_add > eps) & ~keep_add)
         assert not np.any((y_rem > eps) & ~keep_rem)
+
+
+def test_log_sum_exp_fast_path_falls_back_on_underflow():
+    """The factored log-sum-exp recomputes rows whose dominant term underflowed (extreme noise levels)."""
+    from scipy.special import logsumexp
+
+    V = np.array([[0.0, -800.0], [3.0, 1.0], [-5.0, 700.0], [0.0, 0.0]])
+    O = np.array([[-800.0, 2.0], [0.0, -1.0]])  # (k, i)
+    off = mc._Offsets(O)
+    ids = np.array([0, 1, 0, 1])
+    got = mc._lse_bins(V, off, ids)
+    want = logsumexp(V + O[:, ids].T, axis=1)
+    assert np.allclose(got, want, rtol=1e-12)
+    assert got[0] == pytest.approx(-800.0 + math.log(2.0))
+    d = np.array([-900.0, 0.0])
+    assert np.allclose(mc._lse_shift(V, d), logsumexp(V + d, axis=1), rtol=1e-12)

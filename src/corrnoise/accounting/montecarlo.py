@@ -72,12 +72,17 @@ __all__ = [
     "DEFAULT_SAMPLES",
     "DEFAULT_CALIBRATION_SAMPLES",
     "DEFAULT_TAU",
+    "DEFAULT_PRE_VERIFY_SAMPLES",
 ]
 
 #: Samples for an (informal) estimate of delta(eps) or eps(delta).
 DEFAULT_SAMPLES = 1 << 20
 #: Samples for Algorithm 2 (noise calibration on common random numbers).
 DEFAULT_CALIBRATION_SAMPLES = 1 << 22
+#: Samples for the estimate / calibration that precedes a verification: the upper confidence
+#: bound of a rare-event estimate needs many samples to be reliable (one pass costs ~5% of the
+#: default verification).
+DEFAULT_PRE_VERIFY_SAMPLES = 1 << 24
 #: Slack between the verified threshold and the claimed delta (seed 000 App. E uses 1.25).
 DEFAULT_TAU = 1.25
 #: Default cap on the verification failure probability, relative to delta.
@@ -920,7 +925,7 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
     extras: dict[str, Any] = {}
     if noise_std is None:
         epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
-        m = DEFAULT_CALIBRATION_SAMPLES if samples is None else samples
+        m = (DEFAULT_PRE_VERIFY_SAMPLES if verify else DEFAULT_CALIBRATION_SAMPLES) if samples is None else samples
         cal = calibrate_noise_std(red, bins, epsilon, target, m, seed, z, workers=workers, progress=progress,
                                   _reduced=red)
         noise_std = cal.noise_std
@@ -928,7 +933,7 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
         extras.update(calibration_samples=cal.samples, calibration_evaluations=cal.evaluations)
     else:
         noise_std = _check_noise(noise_std)
-        m = DEFAULT_SAMPLES if samples is None else samples
+        m = (DEFAULT_PRE_VERIFY_SAMPLES if verify else DEFAULT_SAMPLES) if samples is None else samples
         if epsilon is None:
             m = _check_samples(m, red.bins)
             tail = _tail(red, noise_std, m, seed, _STREAM_ESTIMATE, workers, progress)
