@@ -74,7 +74,8 @@ def per_example_gradients(
             loss = loss.sum()
         return loss, loss.detach()
 
-    fn = vmap(grad(one_loss, has_aux=True), in_dims=(None, 0, 0), chunk_size=chunk_size)
+    # randomness="different": dropout draws its own mask per example, as in a batched forward
+    fn = vmap(grad(one_loss, has_aux=True), in_dims=(None, 0, 0), chunk_size=chunk_size, randomness="different")
     grads, losses = fn(detached, inputs, targets)
     return grads, losses
 
