@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from scipy import integrate
 from scipy.stats import binom, norm
 
@@ -215,6 +217,19 @@ def test_mmcc_never_above_unamplified_and_lower_bound_below(name, n, nu):
     assert upper.extras["max_p_tilde_ratio"] > 1.0 + 1e-6
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 6), seed=st.integers(0, 10_000), p=st.sampled_from([0.05, 0.3, 0.9]),
+       nu=st.sampled_from([0.7, 2.0, 6.0]), blocks=st.sampled_from([1, 2]))
+def test_property_mmcc_between_lower_bound_and_unamplified(n, seed, p, nu, blocks):
+    c = random_lower(n, seed)
+    upper = M.mmcc_epsilon(c, None, p, nu, 1e-5, blocks=blocks, delta_split=0.1)
+    lower = M.mmcc_epsilon(c, None, p, nu, 1e-5, blocks=blocks, lower_bound=True)
+    sens = mechanism_sensitivity(Dense(c), Cyclic(-(-n // blocks), blocks)).value
+    assert upper.epsilon <= gaussian_epsilon(1e-5, sens / nu) * (1 + 1e-12)
+    assert lower.epsilon <= upper.epsilon * (1 + 1e-9)
+    assert upper.epsilon >= 0.0
+
+
 def test_no_amplification_at_p_one_reduces_to_the_gaussian_mechanism():
     n, nu, delta = 12, 8.0, 1e-5
     strat = parse_strategy("toeplitz-sqrt", n)
@@ -290,11 +305,11 @@ def test_delta_split_search_is_at_least_as_good_as_each_fixed_split():
 
 
 def test_mmcc_delta_is_consistent_with_mmcc_epsilon():
-    strat = parse_strategy("toeplitz-sqrt", 12)
-    res = M.mmcc_epsilon(strat, 12, 0.1, 5.0, 1e-6)
-    d = M.mmcc_delta(strat, 12, 0.1, 5.0, res.epsilon)
+    strat = parse_strategy("toeplitz-sqrt", 8)
+    res = M.mmcc_epsilon(strat, 8, 0.1, 5.0, 1e-6)
+    d = M.mmcc_delta(strat, 8, 0.1, 5.0, res.epsilon)
     assert 1e-7 < d.delta <= 3e-6
-    assert M.mmcc_delta(strat, 12, 0.1, 5.0, res.epsilon * 1.5).delta < d.delta
+    assert M.mmcc_delta(strat, 8, 0.1, 5.0, res.epsilon * 1.5).delta < d.delta
     ident = M.mmcc_delta("identity", 50, 0.1, 1.0, 2.0)
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
