@@ -361,3 +361,13 @@ def test_dispatcher_refuses_negative_strategy():
         account(Dense(np.array([[1.0, 0.0], [-0.5, 1.0]])), "poisson:0.1", noise_std=1.0, delta=1e-6,
                 method="mmcc")
     assert "negative" in str(err.value)
+
+
+def test_generic_calibration_through_mmcc():
+    from corrnoise.accounting.calibrate import calibrate
+
+    strat = parse_strategy("toeplitz-sqrt", 8)
+    res = calibrate(strat, "poisson:0.2", epsilon=4.0, delta=1e-6, method="mmcc", rtol=1e-2, delta_split=0.1)
+    assert res.method == "mmcc" and 4.0 * 0.97 <= res.epsilon <= 4.0
+    slightly_less = M.mmcc_epsilon(strat, 8, 0.2, res.noise_std * 0.95, 1e-6, delta_split=0.1)
+    assert slightly_less.epsilon > 4.0

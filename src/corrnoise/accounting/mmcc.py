@@ -84,7 +84,7 @@ _TAIL = 1e-14
 #: Standard deviations of Gaussian noise covered by the x grid (beyond: exact tail masses).
 _XSPAN = 9.5
 #: Default candidate fractions delta_1 / delta for the delta split search.
-_SPLIT_CANDIDATES = (0.01, 0.03, 0.1, 0.3, 0.6)
+_SPLIT_CANDIDATES = (0.01, 0.03, 0.1, 0.3, 0.6, 0.85)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1013,14 +1013,17 @@ def mmcc_delta(
     "mmcc",
     batchings=(Poisson, BlockCyclic),
     requires_nonnegative=True,
-    options=("lower_bound", "delta_split", "loss_discretization", "workers"),
+    options=("lower_bound", "delta_split", "discretization", "workers"),
     description="matrix mechanism conditional composition (seed 001): any non-negative C, Poisson or block-cyclic",
 )
 def account_mmcc(strategy, batching, noise_std: float, delta: float, lower_bound: bool = False,
-                 delta_split: Any = "auto", loss_discretization: float = DEFAULT_LOSS_DISCRETIZATION,
+                 delta_split: Any = "auto", discretization: float = DEFAULT_LOSS_DISCRETIZATION,
                  workers: int | None = None) -> PrivacyResult:
-    """MMCC (seed 001 Thm 4.3) for Poisson sampling, Generalized MMCC (Thm D.1) for block-cyclic."""
+    """MMCC (seed 001 Thm 4.3) for Poisson sampling, Generalized MMCC (Thm D.1) for block-cyclic.
+
+    ``discretization`` is the loss-grid step (the name the PLD methods use, so that generic
+    calibration can search on a coarse grid first)."""
     blocks = batching.blocks if isinstance(batching, BlockCyclic) else 1
     return mmcc_epsilon(strategy, strategy.n, batching.p, noise_std, delta, lower_bound=bool(lower_bound),
-                        blocks=blocks, delta_split=delta_split, loss_discretization=loss_discretization,
+                        blocks=blocks, delta_split=delta_split, loss_discretization=discretization,
                         workers=workers)
