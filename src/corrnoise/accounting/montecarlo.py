@@ -971,7 +971,6 @@ def _result(res: MonteCarloResult, strategy) -> "Any":
 
     extras = {k: v for k, v in res.to_dict().items()
               if k not in ("epsilon", "delta", "noise_std", "noise_multiplier")}
-    extras["noise_multiplier_basis"] = "noise_std / max column norm of C"
     return PrivacyResult(float(res.epsilon), float(res.delta), float(res.noise_std),
                          float(res.noise_multiplier), "mc", extras)
 
