@@ -311,7 +311,9 @@ def test_cli_writes_mechanism_file(tmp_path, capsys, kind, extra):
     out = tmp_path / f"{kind}.json"
     assert main(["optimize", kind, "--n", "24", *extra, "--participation", "minsep:2:4",
                  "--out", str(out), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert captured.err == ""  # no progress output with --json
+    data = json.loads(captured.out)
     for key in ("rms_loss", "max_loss", "sensitivity", "mean_error", "max_error", "seconds", "file"):
         assert key in data
     assert data["file"] == str(out)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import CorrnoiseError
-from ..strategies import Banded, Strategy
+from ..strategies import Banded
 from ..workloads import Workload
 from .common import Progress, blas_threads, check_band, check_bands, check_problem, lbfgs, report_progress
 from .dense import sqrt_coefficients

@@ -15,8 +15,7 @@ import numpy as np
 from scipy import linalg as sla
 
 from ..errors import CorrnoiseError, check_int
-from ..participation import Cyclic, MinSep, Participation, Single, parse_participation
-from ..strategies import Strategy
+from ..participation import Cyclic, MinSep, Participation, parse_participation
 from ..workloads import Workload, parse_workload, prefix
 
 OBJECTIVES = ("rms", "max")
@@ -259,5 +258,4 @@ def designed_for(schema: Participation, objective: str, workload: Workload) -> d
 __all__ = [
     "OBJECTIVES", "Progress", "blas_threads", "check_bands", "check_objective", "check_problem", "check_workload",
     "check_band", "check_strategy_matrix", "designed_for", "lbfgs", "reverse_cholesky", "series_sqrt",
-    "Single", "Strategy",
 ]
