@@ -21,10 +21,8 @@ The script is also its own jax worker: ``--jax-worker CASE --out FILE`` (stdlib 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

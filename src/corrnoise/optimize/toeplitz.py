@@ -40,7 +40,7 @@ from scipy import signal
 
 from ..errors import CorrnoiseError, check_int
 from ..linalg import toeplitz as tp
-from ..participation import Cyclic, MinSep, Participation, Single, parse_participation
+from ..participation import Participation, Single, parse_participation
 from ..strategies import ColumnNormalized, Strategy, Toeplitz
 from ..workloads import Workload, parse_workload, prefix
 
