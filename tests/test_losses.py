@@ -146,3 +146,22 @@ def test_streamed_errors_match_dense_for_every_square_kind(workload):
         if s.rows != s.n:
             continue
         assert np.allclose(streamed_squared_error(s, workload), _dense_errors(s, workload), rtol=1e-8), s.label
+
+
+@pytest.mark.parametrize("workload", [prefix(), momentum(0.9), momentum(0.6, 0.3)], ids=lambda w: w.spec)
+@pytest.mark.parametrize("n,bands", [(1, 1), (7, 3), (40, 5), (101, 20), (64, 63)])
+def test_block_recurrence_errors_match_streamed_rows(n, bands, workload):
+    """O(n b^2) block recurrence (linalg.banded) vs the O(n^2 b) row stream and dense B."""
+    from corrnoise.linalg.banded import banded_errors_squared
+    from corrnoise.losses import band_storage, streamed_squared_error
+    from corrnoise.strategies import Banded
+
+    rng = np.random.default_rng(n + bands)
+    band = rng.normal(size=(n, bands)) / bands  # well-conditioned: C^{-1} must not blow up
+    band[:, 0] = rng.uniform(1.0, 2.0, size=n)
+    for s in (Banded(band), ColumnNormalized(Banded(band)), ColumnNormalized(parse_strategy(f"bsr:{bands}", n))):
+        got = banded_errors_squared(band_storage(s), np.asarray(workload.inverse_coefficients)) if s.bands < n else None
+        if got is None:
+            continue
+        assert np.allclose(got, streamed_squared_error(s, workload), rtol=1e-8), s.label
+        assert np.allclose(got, _dense_errors(s, workload), rtol=1e-7), s.label

@@ -28,7 +28,8 @@ from .sensitivity import (
     sensitivity_single,
     sensitivity_toeplitz_monotone,
 )
-from .strategies import BLT, ColumnNormalized, Strategy, Toeplitz, Tree
+from .linalg.banded import banded_errors_squared
+from .strategies import BLT, Banded, ColumnNormalized, Strategy, Toeplitz, Tree
 from .workloads import Workload, prefix
 
 # Strategies without a structured path are materialized; beyond this n that is refused.
@@ -114,9 +115,36 @@ def per_query_squared_error(strategy: Strategy, workload: Workload | None = None
     workload = workload or prefix()
     if _is_plain_toeplitz(strategy):
         return np.cumsum(_toeplitz_b(strategy, workload) ** 2)
-    if strategy.rows == strategy.n and strategy.bands < strategy.n and strategy.bands <= 64:
-        return streamed_squared_error(strategy, workload)
+    band = band_storage(strategy)
+    if band is not None:
+        return banded_errors_squared(band, np.asarray(workload.inverse_coefficients))
     return np.sum(decoder_matrix(strategy, workload) ** 2, axis=1)
+
+
+def band_storage(strategy: Strategy) -> np.ndarray | None:
+    """band[t, d] = C[t, t - d] for a square C with fewer than n bands (None otherwise)."""
+    if strategy.rows != strategy.n or strategy.bands >= strategy.n:
+        return None
+    if isinstance(strategy, ColumnNormalized):
+        base = band_storage(strategy.base)
+        if base is None:
+            return None
+        n, b = base.shape
+        cols = np.arange(n)[:, None] - np.arange(b)[None, :]  # column t - d of each band entry
+        return base / strategy.scale[np.clip(cols, 0, None)]
+    if isinstance(strategy, Banded):
+        return strategy.band
+    c = strategy.matrix() if strategy.n <= MAX_DENSE_N else None
+    if isinstance(strategy, Toeplitz):
+        coeffs = strategy.toeplitz_coefficients[: strategy.bands]
+        band = np.broadcast_to(coeffs, (strategy.n, strategy.bands)).copy()
+    elif c is not None:
+        band = np.stack([np.concatenate([np.zeros(d), np.diagonal(c, -d)]) for d in range(strategy.bands)], axis=1)
+    else:
+        return None
+    for d in range(1, band.shape[1]):
+        band[:d, d] = 0.0
+    return band
 
 
 def error_summary(strategy: Strategy, workload: Workload | None = None) -> tuple[float, float]:
