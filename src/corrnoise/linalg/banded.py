@@ -19,6 +19,15 @@ import numpy as np
 MIN_BLOCK = 16
 
 
+def gram_recurrence(pk: np.ndarray, qk: np.ndarray) -> np.ndarray:
+    """All diagonal blocks G_k of B B^T: G_0 = Q_0, G_k = P_k G_{k-1} P_k^T + Q_k (shape (K, s, s))."""
+    g = np.empty_like(qk)
+    g[0] = qk[0]
+    for k in range(1, qk.shape[0]):
+        g[k] = pk[k] @ g[k - 1] @ pk[k].T + qk[k]
+    return g
+
+
 def workload_band(band: np.ndarray, taps: np.ndarray) -> np.ndarray:
     """Band of L = C A^{-1}: lband[j, i] = L[j + i, j] = sum_m a_m C[j + i, j + m].
 
@@ -61,10 +70,4 @@ def banded_errors_squared(band: np.ndarray, taps: np.ndarray) -> np.ndarray:
     dinv = np.linalg.solve(L_d, np.broadcast_to(np.eye(s), (K, s, s)))
     p = dinv @ L_e
     q = dinv @ np.swapaxes(dinv, 1, 2)
-    out = np.empty((K, s))
-    g = q[0]
-    out[0] = np.diagonal(g)
-    for k in range(1, K):
-        g = p[k] @ g @ p[k].T + q[k]
-        out[k] = np.diagonal(g)
-    return out.reshape(-1)[:n]
+    return np.diagonal(gram_recurrence(p, q), axis1=1, axis2=2).reshape(-1)[:n]

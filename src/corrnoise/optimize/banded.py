@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import CorrnoiseError
+from ..linalg.banded import gram_recurrence
 from ..strategies import Banded
 from ..workloads import Workload
 from .common import Progress, blas_threads, check_band, check_bands, check_problem, lbfgs, report_progress
@@ -36,15 +37,6 @@ from .dense import sqrt_coefficients
 
 #: Smallest block size of the recurrence (fewer sequential steps for small bands).
 MIN_BLOCK = 16
-
-
-def gram_recurrence(pk: np.ndarray, qk: np.ndarray) -> np.ndarray:
-    """G_0 = Q_0, G_k = P_k G_{k-1} P_k^T + Q_k; returns every G_k (shape (K, s, s))."""
-    g = np.empty_like(qk)
-    g[0] = qk[0]
-    for k in range(1, qk.shape[0]):
-        g[k] = pk[k] @ g[k - 1] @ pk[k].T + qk[k]
-    return g
 
 
 class _GramDiagonals(torch.autograd.Function):
