@@ -1,6 +1,5 @@
 """Losses and the sensitivity dispatcher against materialized matrices and brute force."""
 
-import itertools
 
 import numpy as np
 import pytest

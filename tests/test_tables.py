@@ -3,7 +3,6 @@
 import csv
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from corrnoise.losses import loss_report

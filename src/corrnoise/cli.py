@@ -7,31 +7,14 @@ exits with status 2 and one line on stderr naming the parameter, never a traceba
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
-from typing import Any
+
 
 import click
 
 from .errors import CorrnoiseError
-
-
-def _emit(data: dict[str, Any], as_json: bool, title: str) -> None:
-    if as_json:
-        click.echo(json.dumps(data, allow_nan=False))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_header=True)
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    for key, value in data.items():
-        if isinstance(value, float):
-            value = f"{value:.6g}" if math.isfinite(value) else str(value)
-        table.add_row(key, str(value))
-    Console().print(table)
+from .report import emit as _emit
 
 
 # Commands defined in other layers, imported only when invoked so that `corrnoise loss` does not

@@ -19,7 +19,6 @@ This module depends on nothing above numpy-level helpers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 

@@ -25,7 +25,6 @@ again on the steps actually taken, and the reported epsilon is never above the t
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -300,7 +299,7 @@ class _progress:
 def train_command(dataset, mechanism, epsilon, delta, epochs, batch_size, seed, lr, optimizer, momentum, clip_norm,
                   as_json):
     """Private training on DATASET with a correlated-noise MECHANISM at (EPSILON, DELTA)."""
-    from .cli import _emit
+    from .report import emit as _emit
 
     if mechanism not in MECHANISMS:
         raise CorrnoiseError("mechanism", f"must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")

@@ -11,13 +11,13 @@ Monte Carlo).  With ``--epsilon`` the noise is calibrated (smallest noise_std re
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 import click
 
 from ..errors import CorrnoiseError
+from ..report import emit
 
 METHOD_CHOICES = ["auto", "gaussian", "pld", "rdp", "bandmf", "mmcc", "mc"]
 
@@ -90,21 +90,6 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
         raise CorrnoiseError("noise", f"epsilon is infinite at delta={result.delta:g} for noise_std="
                              f"{result.noise_std:g}; increase the noise or delta")
     data = _jsonable(result.to_dict())
-    if as_json:
-        click.echo(json.dumps(data, allow_nan=False))
-        return
-    _print_table(data, f"corrnoise account {mechanism}")
+    emit(data, as_json, f"corrnoise account {mechanism}")
 
 
-def _print_table(data: dict, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_header=True)
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    for key, value in data.items():
-        if isinstance(value, float):
-            value = f"{value:.6g}" if math.isfinite(value) else str(value)
-        table.add_row(key, str(value))
-    Console().print(table)

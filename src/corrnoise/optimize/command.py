@@ -9,7 +9,6 @@ Progress is shown with rich only on a terminal and never with ``--json``.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -17,6 +16,7 @@ import time
 import click
 
 from ..errors import CorrnoiseError, check_int
+from ..report import emit
 
 KINDS = ("dense", "banded", "banded-toeplitz", "blt")
 
@@ -177,18 +177,7 @@ def optimize_command(kind, n, bands, buffers, participation, objective, workload
         "seconds": seconds,
         "file": path,
     }
-    if as_json:
-        click.echo(json.dumps(data, allow_nan=False))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"corrnoise optimize {kind}")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    for key, value in data.items():
-        table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
-    Console().print(table)
+    emit(data, as_json, f"corrnoise optimize {kind}")
 
 
 __all__ = ["KINDS", "optimize_command", "run_optimize", "validate_strategy"]

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import CorrnoiseError, check_real
-from ..noise import NoiseGenerator, make_generator
+from ..noise import make_generator
 
 __all__ = ["Privatizer", "privatize_sum"]
 
