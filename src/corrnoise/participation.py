@@ -114,19 +114,33 @@ class Single(Participation):
 
 
 @dataclass(frozen=True)
-class Cyclic(Participation):
-    """Cyclic participation (Eq. 3.16): ``b`` steps per epoch, ``k`` epochs."""
+class _KB(Participation):
+    """Shared part of the ``(k, b)`` schemas: both parameters ints >= 1, spec ``NAME:K:B``, and at
+    most ``k`` participations (Eq. 3.16 / Eq. 3.17). Subclasses set ``_name`` and ``validate``."""
 
     k: int
     b: int
 
+    _name = "abstract"
+
     def __post_init__(self):
-        object.__setattr__(self, "k", _positive_int("cyclic", "k", self.k))
-        object.__setattr__(self, "b", _positive_int("cyclic", "b", self.b))
+        object.__setattr__(self, "k", _positive_int(self._name, "k", self.k))
+        object.__setattr__(self, "b", _positive_int(self._name, "b", self.b))
 
     @property
     def spec(self) -> str:
-        return f"cyclic:{self.k}:{self.b}"
+        return f"{self._name}:{self.k}:{self.b}"
+
+    def max_participations(self, n: int) -> int:
+        self.validate(n)
+        return self.k
+
+
+@dataclass(frozen=True)
+class Cyclic(_KB):
+    """Cyclic participation (Eq. 3.16): ``b`` steps per epoch, ``k`` epochs."""
+
+    _name = "cyclic"
 
     def validate(self, n: int) -> int:
         n = _check_n(n)
@@ -146,10 +160,6 @@ class Cyclic(Participation):
             )
         return n
 
-    def max_participations(self, n: int) -> int:
-        self.validate(n)
-        return self.k
-
     def patterns(self, n: int) -> Iterator[tuple[int, ...]]:
         n = self.validate(n)
         k, b = self.k, self.b
@@ -161,19 +171,10 @@ class Cyclic(Participation):
 
 
 @dataclass(frozen=True)
-class MinSep(Participation):
+class MinSep(_KB):
     """b-minimum-separation participation with at most ``k`` participations (Eq. 3.17)."""
 
-    k: int
-    b: int
-
-    def __post_init__(self):
-        object.__setattr__(self, "k", _positive_int("minsep", "k", self.k))
-        object.__setattr__(self, "b", _positive_int("minsep", "b", self.b))
-
-    @property
-    def spec(self) -> str:
-        return f"minsep:{self.k}:{self.b}"
+    _name = "minsep"
 
     def validate(self, n: int) -> int:
         n = _check_n(n)
@@ -186,10 +187,6 @@ class MinSep(Participation):
                 f"(k-1)*b < n; with b={b} at most k={fit} fits (use minsep:{fit}:{b})",
             )
         return n
-
-    def max_participations(self, n: int) -> int:
-        self.validate(n)
-        return self.k
 
     def patterns(self, n: int) -> Iterator[tuple[int, ...]]:
         n = self.validate(n)
