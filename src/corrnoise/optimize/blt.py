@@ -42,7 +42,8 @@ from ..errors import CorrnoiseError, check_int
 from ..linalg import blt as bltmath
 from ..participation import Participation, Single, parse_participation
 from ..strategies import BLT
-from ..workloads import Workload, parse_workload, prefix
+from ..workloads import Workload
+from .common import check_objective, check_progress, check_workload
 
 __all__ = ["optimize_blt", "blt_objective", "initial_blt", "MAX_BUFFERS"]
 
@@ -51,24 +52,6 @@ MAX_BUFFERS = 10
 AUTO_BUFFER_GAIN = 0.005
 _BARRIER_WEIGHT = 1e-9
 _DT = torch.float64
-_OBJECTIVES = ("rms", "max")
-
-
-# ------------------------------------------------------------------------------ inputs
-def _resolve_workload(workload) -> Workload:
-    if workload is None:
-        return prefix()
-    if isinstance(workload, Workload):
-        return workload
-    if isinstance(workload, str):
-        return parse_workload(workload)
-    raise CorrnoiseError("workload", f"expected prefix, momentum:BETA[:WD] or a Workload, got {workload!r}")
-
-
-def _resolve_objective(objective) -> str:
-    if not isinstance(objective, str) or objective.strip().lower() not in _OBJECTIVES:
-        raise CorrnoiseError("objective", f"must be rms or max, got {objective!r}")
-    return objective.strip().lower()
 
 
 # ------------------------------------------------------------------ torch special functions
@@ -348,7 +331,7 @@ def blt_objective(alpha, lam, n: int, participation="single", objective: str = "
     """
     alpha, lam = bltmath.validate_blt(alpha, lam)
     prob = _Problem(check_int("n", n, minimum=2), parse_participation(participation),
-                    _resolve_objective(objective), _resolve_workload(workload))
+                    check_objective(objective), check_workload(workload))
     prob.schema.validate(prob.n)
     x = torch.as_tensor(_pack(alpha, lam, prob.multi), dtype=_DT)
     _, f = _objective_torch(x, alpha.size, prob, 0.0)
@@ -448,9 +431,8 @@ def optimize_blt(
         buffers = check_int("buffers", buffers, minimum=1, maximum=MAX_BUFFERS)
     schema = parse_participation(participation)
     schema.validate(n)
-    prob = _Problem(n, schema, _resolve_objective(objective), _resolve_workload(workload))
-    if progress is not None and not callable(progress):
-        raise CorrnoiseError("progress", f"must be a callable(iteration, loss) or None, got {progress!r}")
+    prob = _Problem(n, schema, check_objective(objective), check_workload(workload))
+    check_progress(progress)
     max_iterations = check_int("max_iterations", max_iterations, minimum=1)
 
     counter = {"it": 0}

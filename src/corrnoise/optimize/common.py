@@ -51,6 +51,13 @@ def check_problem(n, participation, objective, workload) -> tuple[int, Participa
     return n, schema, check_objective(objective), check_workload(workload)
 
 
+def check_progress(progress):
+    """None or a callable (the BLT and Toeplitz optimizers call it as ``progress(iteration, loss)``)."""
+    if progress is not None and not callable(progress):
+        raise CorrnoiseError("progress", f"must be a callable(iteration, loss) or None, got {progress!r}")
+    return progress
+
+
 def check_bands(bands, n: int, schema: Participation) -> int:
     """``1 <= bands <= n``; with cyclic / min-sep participation also ``bands <= b`` (the
     separation), the condition under which a column-normalized banded strategy has
@@ -74,16 +81,19 @@ def series_sqrt(a: np.ndarray, m: int) -> np.ndarray:
     """First ``m`` coefficients of the power-series square root of ``a`` (a_0 > 0).
 
     The Toeplitz matrix with this first column squares to the Toeplitz workload A (tutorial
-    Thm 2.5 for A_pre, where it gives 4^-t binom(2t, t)); s_0 = sqrt(a_0),
-    s_k = (a_k - sum_{j=1}^{k-1} s_j s_{k-j}) / (2 s_0). O(m^2).
+    Thm 2.5 for A_pre, where it gives 4^-t binom(2t, t); used as the initializer for any
+    Toeplitz workload); s_0 = sqrt(a_0), s_k = (a_k - sum_{j=1}^{k-1} s_j s_{k-j}) / (2 s_0),
+    the coefficient identity of s(x)^2 = a(x). Coefficients of ``a`` past its end count as 0
+    (a polynomial a(x)). O(m^2).
     """
     a = np.asarray(a, dtype=np.float64)
-    if a.shape[0] < m or a[0] <= 0:
-        raise CorrnoiseError("workload", "needs a positive leading coefficient")
+    if a.size == 0 or not a[0] > 0.0:
+        raise CorrnoiseError("workload", "the workload's first coefficient must be positive")
     s = np.zeros(m)
     s[0] = math.sqrt(a[0])
     for k in range(1, m):
-        s[k] = (a[k] - np.dot(s[1:k], s[k - 1 : 0 : -1])) / (2.0 * s[0])
+        ak = a[k] if k < a.size else 0.0
+        s[k] = (ak - float(np.dot(s[1:k], s[k - 1 : 0 : -1]))) / (2.0 * s[0])
     return s
 
 
@@ -256,6 +266,6 @@ def designed_for(schema: Participation, objective: str, workload: Workload) -> d
 
 
 __all__ = [
-    "OBJECTIVES", "Progress", "blas_threads", "check_bands", "check_objective", "check_problem", "check_workload",
+    "OBJECTIVES", "Progress", "blas_threads", "check_bands", "check_objective", "check_progress", "check_problem", "check_workload",
     "check_band", "check_strategy_matrix", "designed_for", "lbfgs", "reverse_cholesky", "series_sqrt",
 ]

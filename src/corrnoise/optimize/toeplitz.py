@@ -42,7 +42,8 @@ from ..errors import CorrnoiseError, check_int
 from ..linalg import toeplitz as tp
 from ..participation import Participation, Single, parse_participation
 from ..strategies import ColumnNormalized, Strategy, Toeplitz
-from ..workloads import Workload, parse_workload, prefix
+from ..workloads import Workload
+from .common import check_objective, check_progress, check_workload, series_sqrt
 
 __all__ = [
     "optimize_banded_toeplitz",
@@ -58,51 +59,10 @@ FIXED_POINT_MIN_N = 1_000_000
 _FIXED_POINT_HEAD = 100_000
 # Up to this many bands the decoder is an IIR filter (O(n p)); beyond, FFT Newton (O(n log n)).
 _FILTER_MAX_BANDS = 128
-_OBJECTIVES = ("rms", "max")
 _INFEASIBLE = 1e6
 
 
 # ------------------------------------------------------------------------------ inputs
-def _resolve_workload(workload) -> Workload:
-    if workload is None:
-        return prefix()
-    if isinstance(workload, Workload):
-        return workload
-    if isinstance(workload, str):
-        return parse_workload(workload)
-    raise CorrnoiseError("workload", f"expected prefix, momentum:BETA[:WD] or a Workload, got {workload!r}")
-
-
-def _resolve_objective(objective) -> str:
-    if not isinstance(objective, str) or objective.strip().lower() not in _OBJECTIVES:
-        raise CorrnoiseError("objective", f"must be rms or max, got {objective!r}")
-    return objective.strip().lower()
-
-
-def _check_progress(progress):
-    if progress is not None and not callable(progress):
-        raise CorrnoiseError("progress", f"must be a callable(iteration, loss) or None, got {progress!r}")
-    return progress
-
-
-def series_sqrt(a: np.ndarray, m: int) -> np.ndarray:
-    """First m coefficients of the power series sqrt(a(x)) with a_0 > 0 (A^{1/2} for a Toeplitz A).
-
-    s_0 = sqrt(a_0), s_t = (a_t - sum_{j=1}^{t-1} s_j s_{t-j}) / (2 s_0): the coefficient
-    identity of s(x)^2 = a(x) (tutorial Thm 2.5 for A_pre; used as the initializer for any
-    Toeplitz workload). O(m^2).
-    """
-    a = np.asarray(a, dtype=np.float64)
-    if a.size == 0 or not a[0] > 0.0:
-        raise CorrnoiseError("workload", "the workload's first coefficient must be positive")
-    s = np.zeros(m)
-    s[0] = math.sqrt(a[0])
-    for t in range(1, m):
-        at = a[t] if t < a.size else 0.0
-        s[t] = (at - float(np.dot(s[1:t], s[t - 1 : 0 : -1]))) / (2.0 * s[0])
-    return s
-
-
 def _initial_coefficients(workload: Workload, bands: int) -> np.ndarray:
     """A^{1/2} coefficients (tutorial Thm 2.5 / Sec. 4.3.1 "Practical Considerations")."""
     if workload.is_prefix:
@@ -267,11 +227,11 @@ def optimize_banded_toeplitz(
         raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
     schema = parse_participation(participation)
     schema.validate(n)
-    objective = _resolve_objective(objective)
-    workload = _resolve_workload(workload)
+    objective = check_objective(objective)
+    workload = check_workload(workload)
     if not isinstance(column_normalize, (bool, np.bool_)):
         raise CorrnoiseError("column_normalize", f"must be True or False, got {column_normalize!r}")
-    progress = _check_progress(progress)
+    progress = check_progress(progress)
     max_iterations = check_int("max_iterations", max_iterations, minimum=0)
 
     spec = _error_spec(n, objective, workload, approximate)
