@@ -111,14 +111,7 @@ def calibrate_gaussian(strategy, batching: NoBatching, epsilon: float, delta: fl
     while gaussian_log_delta(epsilon, mu) > math.log(delta):  # rounding in sens / (sens / mu*)
         noise_std *= 1.0 + 4e-16
         mu = sens.value / noise_std
-    return PrivacyResult(
-        epsilon=gaussian_epsilon(delta, mu),
-        delta=delta,
-        noise_std=noise_std,
-        noise_multiplier=noise_std / column_norm(strategy),
-        method="gaussian",
-        extras={**_extras(mu, sens, batching), "target_epsilon": float(epsilon)},
-    )
+    return _result(strategy, batching, sens, mu, noise_std, delta, target_epsilon=float(epsilon))
 
 
 @register_method("gaussian", batchings=(NoBatching,), calibrate=calibrate_gaussian,
@@ -129,21 +122,25 @@ def account_gaussian(strategy, batching: NoBatching, noise_std: float, delta: fl
 
     sens = mechanism_sensitivity(strategy, batching.participation)
     mu = sens.value / noise_std
+    return _result(strategy, batching, sens, mu, noise_std, delta)
+
+
+def _result(strategy, batching: NoBatching, sens, mu: float, noise_std: float, delta: float,
+            **extra) -> PrivacyResult:
+    """The mu-GDP result shared by account and calibrate: epsilon from the exact GDP profile
+    (GDP-profile above) at mu = sens(C, Pi) / noise_std; ``extra`` is appended to the extras."""
     return PrivacyResult(
         epsilon=gaussian_epsilon(delta, mu),
         delta=delta,
         noise_std=noise_std,
         noise_multiplier=noise_std / column_norm(strategy),
         method="gaussian",
-        extras=_extras(mu, sens, batching),
+        extras={
+            "gdp_mu": float(mu),
+            "sensitivity": float(sens.value),
+            "sensitivity_exact": bool(sens.exact),
+            "sensitivity_method": sens.method,
+            "participation": batching.participation.spec,
+            **extra,
+        },
     )
-
-
-def _extras(mu: float, sens, batching: NoBatching) -> dict:
-    return {
-        "gdp_mu": float(mu),
-        "sensitivity": float(sens.value),
-        "sensitivity_exact": bool(sens.exact),
-        "sensitivity_method": sens.method,
-        "participation": batching.participation.spec,
-    }
