@@ -83,6 +83,16 @@ def resolve_dim(dim: Any) -> tuple[int, list[torch.Size] | None]:
     return m, shapes
 
 
+def split_flat(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of the flat row ``flat`` with the given ``shapes`` (from :func:`resolve_dim`)."""
+    out, pos = [], 0
+    for s in shapes:
+        k = int(math.prod(s))
+        out.append(flat[pos : pos + k].view(s))
+        pos += k
+    return out
+
+
 class NoiseGenerator:
     """Base class: the step counter, seed noise, scaling, splitting, checkpoints.
 
@@ -203,12 +213,7 @@ class NoiseGenerator:
         """Views of ``flat`` with the parameter shapes."""
         if self.shapes is None:
             return [flat]
-        out, pos = [], 0
-        for s in self.shapes:
-            k = int(math.prod(s))
-            out.append(flat[pos : pos + k].view(s))
-            pos += k
-        return out
+        return split_flat(flat, self.shapes)
 
     @property
     def stateless(self) -> bool:

@@ -18,7 +18,6 @@ All ranks must use the same seed; with ``seed=None`` rank 0 draws one and broadc
 
 from __future__ import annotations
 
-import math
 import secrets
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from ..errors import CorrnoiseError, check_int
 from ..noise import DEFAULT_CHUNK, make_generator, resolve_dim
+from ..noise.generators import split_flat
 from .privatizer import Privatizer
 
 __all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed", "local_batch"]
@@ -112,14 +112,7 @@ class ShardedNoise:
 
     def next(self):
         flat = self.next_flat()
-        if self.shapes is None:
-            return flat
-        out, pos = [], 0
-        for s in self.shapes:
-            k = int(math.prod(s))
-            out.append(flat[pos : pos + k].view(s))
-            pos += k
-        return out
+        return flat if self.shapes is None else split_flat(flat, self.shapes)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard state (save one per rank)."""
