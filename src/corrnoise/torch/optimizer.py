@@ -71,14 +71,15 @@ class Agreement:
 
 
 def _same_batching(a, b) -> bool:
-    """Whether accounting batching ``a`` covers sampler batching ``b``: same scheme, and a
-    sampling rate that is never below the sampler's (a larger accounted p is only conservative)."""
+    """Whether accounting batching ``a`` describes sampler batching ``b``: same scheme and the
+    same sampling rate, where the accounted rate may exceed the sampler's by round-off but never
+    fall below it (a smaller accounted p would understate epsilon)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, Poisson):
-        return a.p >= b.p
+        return b.p <= a.p <= b.p * (1 + 1e-9)
     if isinstance(a, BlockCyclic):
-        return a.blocks == b.blocks and a.p >= b.p
+        return a.blocks == b.blocks and b.p <= a.p <= b.p * (1 + 1e-9)
     if isinstance(a, BallsInBins):
         return a.bins == b.bins
     return True
