@@ -325,11 +325,27 @@ class PrivateOptimizer:
         return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
                              planned_steps=self.steps, method=self.accounting_method, **{**self.accounting_options, **options})
 
+    def _sampler_state(self) -> dict[str, Any] | None:
+        return None if self.sampler is None else {"seed": int(self.sampler.seed), **self.sampler.describe()}
+
     def state_dict(self) -> dict[str, Any]:
+        """Optimizer, privatizer (noise seed and step) and sampler (seed and description) state:
+        as private as the data (the seeds rebuild the noise and the batches)."""
         return {"optimizer": self.optimizer.state_dict(), "privatizer": self.privatizer.state_dict(),
-                "steps_taken": self.steps_taken}
+                "steps_taken": self.steps_taken, "sampler": self._sampler_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`. The sampler must be the one the checkpoint's batches
+        came from (same seed and description): a block split, shuffle or bin assignment drawn
+        anew would put examples in steps the accounting's schema does not allow."""
+        mine, saved = self._sampler_state(), state.get("sampler")
+        if mine is not None and saved != mine:
+            if saved is None:
+                raise CorrnoiseError("sampler", "the checkpoint records no sampler; its batches cannot be "
+                                     "continued safely")
+            diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+            raise CorrnoiseError("sampler", f"this sampler differs from the checkpoint's in {', '.join(diff)}; "
+                                 "rebuild it with the checkpoint's (state['sampler']['seed'] as the seed)")
         self.optimizer.load_state_dict(state["optimizer"])
         self.privatizer.load_state_dict(state["privatizer"])
         self.steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
