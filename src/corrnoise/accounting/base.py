@@ -167,6 +167,12 @@ def parse_batching(spec: Any, participation: Participation | str | None = None) 
     """
     if isinstance(spec, Batching):
         batching = spec
+        if participation is not None and not batching.amplified:
+            asked = parse_participation(participation)
+            if asked != batching.participation:  # never account a different schema silently
+                raise CorrnoiseError(
+                    "participation", f"{asked.spec} conflicts with the batching's own participation "
+                    f"{batching.participation.spec}; pass NoBatching({asked.spec!r}) or the string 'none'")
     elif not isinstance(spec, str):
         raise CorrnoiseError("batching", f"{_BATCHING_USAGE}, got {spec!r}")
     else:
