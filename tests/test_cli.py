@@ -89,3 +89,16 @@ def test_requested_verification_is_never_dropped_silently(capsys):
     code, out, err = run(capsys, "account", "identity", "--n", "100", "--batching", "poisson:0.01", "--sigma", "1",
                          "--delta", "1e-5", "--verify")
     assert code == 2 and out == "" and "verify" in err and len(err.strip().splitlines()) == 1
+
+
+def test_lower_bound_cannot_calibrate_noise(capsys):
+    code, out, err = run(capsys, "account", "toeplitz-sqrt", "--n", "8", "--batching", "poisson:0.5", "--epsilon", "4",
+                         "--delta", "1e-5", "--method", "mmcc", "--lower-bound")
+    assert code == 2 and out == "" and "lower_bound" in err
+
+
+def test_failed_verification_releases_nothing(capsys):
+    # Far too few samples for delta = 1e-5: Thm 2.2's failure probability cannot be <= delta.
+    code, out, err = run(capsys, "account", "identity", "--n", "4", "--batching", "balls-in-bins:2", "--noise-std", "1",
+                         "--delta", "1e-5", "--verify", "--samples", "1000", "--seed", "0")
+    assert code == 2 and out == "" and "verify" in err and len(err.strip().splitlines()) == 1

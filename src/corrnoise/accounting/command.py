@@ -81,6 +81,9 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
         if options[name] and chosen not in methods:  # never drop a requested guarantee silently
             raise CorrnoiseError(name, f"{flag} applies to --method {'/'.join(methods)} only "
                                        f"(this mechanism and batching use {chosen})")
+    if lower_bound and epsilon is not None:  # a lower bound on epsilon cannot size the noise
+        raise CorrnoiseError("lower_bound", "--lower-bound reports how tight MMCC is for a given noise; "
+                                            "calibrating noise to it would give no guarantee (use --sigma/--noise-std)")
     if epsilon is not None:
         result = calibrate(strategy, spec, epsilon=epsilon, delta=delta, method=method, **options)
     else:
@@ -89,6 +92,10 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
     if not math.isfinite(result.epsilon):
         raise CorrnoiseError("noise", f"epsilon is infinite at delta={result.delta:g} for noise_std="
                              f"{result.noise_std:g}; increase the noise or delta")
+    if verify and result.extras.get("verified") is not True:
+        # Estimate-Verify-Release (seed 000 Thm 2.1): nothing is released when verification fails.
+        raise CorrnoiseError("verify", f"the Monte Carlo estimate (epsilon={result.epsilon:g}, delta={result.delta:g}) "
+                                       "failed verification on fresh samples; increase the noise or --samples")
     data = _jsonable(result.to_dict())
     emit(data, as_json, f"corrnoise account {mechanism}")
 
