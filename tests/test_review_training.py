@@ -71,3 +71,34 @@ def test_low_precision_clipping_keeps_each_contribution_within_the_clip_norm(dty
         worst, least = max(worst, norm), min(least, norm)
     assert worst <= 1.0 + 1e-5
     assert least >= 1.0 - 1e-2
+
+
+def test_step_k_of_a_wrapped_privatizer_uses_noise_row_k():
+    """The accounting of k steps analyses rows 0..k-1 of C^{-1} Z. A PrivateOptimizer wrapping a
+    privatizer whose generator already gave out a row (reused object, or a privatizer state
+    loaded apart from steps_taken) must not add row t != steps_taken -- a row already added once
+    is noise reused across steps. Independent check: materialized C^{-1} Z (lr 1 SGD from 0)."""
+    import numpy as np
+
+    from corrnoise.noise import seed_noise
+    from corrnoise.strategies import parse_strategy
+    from corrnoise.torch import Privatizer, PrivateOptimizer
+
+    n, seed = 4, 17
+    strategy = parse_strategy("bsr:2", n)
+    model = torch.nn.Linear(2, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    priv = Privatizer.for_parameters(strategy, list(model.parameters()), noise_std=1.0, clip_norm=1.0,
+                                     expected_batch_size=1.0, seed=seed)
+    priv.noise()  # row 0 handed out before the wrapper exists
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    private = PrivateOptimizer(opt, model, F.mse_loss, priv, strategy=strategy, batching="none",
+                               delta=1e-5, steps=n - 1)
+    z = np.stack([seed_noise(seed, t, 2).numpy() for t in range(n)])
+    want = -(strategy.noising_matrix() @ z)[0]
+    try:
+        private.apply_sums([torch.zeros(1, 2, dtype=torch.float64)])
+    except CorrnoiseError as exc:
+        assert exc.param == "steps"
+        return
+    np.testing.assert_allclose(model.weight.detach().numpy().reshape(-1), want, rtol=1e-12)

@@ -297,6 +297,11 @@ class PrivateOptimizer:
             raise CorrnoiseError(
                 "steps", f"all {self.steps} planned steps are done; the privacy guarantee covers no more "
                 "(plan more steps with make_private)")
+        if self.privatizer.step != self.steps_taken:
+            raise CorrnoiseError(
+                "steps", f"the noise generator is at row {self.privatizer.step} but this is step {self.steps_taken}; "
+                "step t must add row t (a row used twice is reused noise): use a fresh privatizer, or restore "
+                "both from one state_dict")
 
     def apply_sums(self, sums: list[torch.Tensor]) -> None:
         """Privatize summed clipped gradients (one per trainable parameter), write them to
