@@ -102,3 +102,26 @@ def test_step_k_of_a_wrapped_privatizer_uses_noise_row_k():
         assert exc.param == "steps"
         return
     np.testing.assert_allclose(model.weight.detach().numpy().reshape(-1), want, rtol=1e-12)
+
+
+def test_a_non_finite_per_example_gradient_is_zeroed_out_not_propagated():
+    """Zero-out adjacency (tutorial Def. 3.5): the clipped sum with an example whose gradient is
+    NaN/inf (an extreme input) must equal some neighbouring sum with that example replaced by
+    zero -- a NaN or inf released gradient reveals that such an example was in the batch
+    (epsilon = infinity). Independent check: a loop of float64 clips over the finite examples."""
+    from corrnoise.torch import clip_and_sum
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(4, 3, 2, generator=g, dtype=torch.float64), torch.randn(4, 5, generator=g, dtype=torch.float64)
+    for bad in (float("nan"), float("inf")):
+        a2 = a.clone()
+        a2[1, 0, 0] = bad
+        sums, _ = clip_and_sum([a2, b], 0.5)
+        want_a, want_b = torch.zeros(3, 2, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+        for i in (0, 2, 3):
+            norm = float(torch.sqrt((a[i] ** 2).sum() + (b[i] ** 2).sum()))
+            f = min(1.0, 0.5 / norm)
+            want_a += f * a[i]
+            want_b += f * b[i]
+        torch.testing.assert_close(sums[0], want_a, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(sums[1], want_b, rtol=1e-12, atol=1e-12)

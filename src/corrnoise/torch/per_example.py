@@ -98,7 +98,8 @@ def clip_and_sum(
     bfloat16 norms overshoot the clip norm by ~0.5% and float16 squares overflow, and the
     sensitivity is the clip norm only if every clipped term really has norm <= zeta. The sums
     come back in that precision; rounding them to the model's dtype after the noise is added
-    is post-processing.
+    is post-processing. An example whose gradient is not finite contributes zero (its zero-out
+    neighbour), so a NaN/inf never reaches the released sum.
     """
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_open=True)
     tensors = list(grads.values()) if isinstance(grads, dict) else list(grads)
@@ -120,7 +121,14 @@ def clip_and_sum(
         if bool(((weights < 0) | (weights > 1)).any()):
             raise CorrnoiseError("weights", "must lie in [0, 1] (a weight above 1 would raise the sensitivity)")
         factors = factors * weights
-    sums = [torch.einsum("b,b...->...", factors, g.to(acc)) for g in tensors]
+    finite = torch.isfinite(sq)
+    if not bool(finite.all()):
+        # a NaN/inf gradient cannot be clipped; zero it out (the zero-out neighbour) rather than
+        # release a NaN/inf sum that reveals the example's presence
+        factors = torch.where(finite, factors, torch.zeros_like(factors))
+        sums = [torch.einsum("b,b...->...", factors, g.to(acc).nan_to_num(0.0, 0.0, 0.0)) for g in tensors]
+    else:
+        sums = [torch.einsum("b,b...->...", factors, g.to(acc)) for g in tensors]
     return sums, norms
 
 
