@@ -125,3 +125,35 @@ def test_a_non_finite_per_example_gradient_is_zeroed_out_not_propagated():
             want_b += f * b[i]
         torch.testing.assert_close(sums[0], want_a, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(sums[1], want_b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_opacus_run_takes_no_more_private_steps_than_planned():
+    """Accounting covers the sampler's planned steps. A mechanism built for more steps than the
+    run (a Strategy or a mechanism file for a longer run) must not let a second pass over the
+    data loader -- which replays the same batches -- add further noise rows and updates: count
+    the optimizer steps that changed the model (independently of the noise source's counter)."""
+    pytest.importorskip("opacus")
+    from corrnoise.sampling import PoissonSampler
+    from corrnoise.strategies import Identity
+    from corrnoise.torch.opacus_adapter import make_private_opacus
+
+    torch.manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    model = torch.nn.Linear(3, 2)
+    run = make_private_opacus(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, mechanism=Identity(30),
+                              noise_std=1.0, delta=1e-5, sampler=PoissonSampler(40, 0.2, 5, seed=1), seed=0,
+                              accounting_options={"discretization": 1e-3})
+    updates = 0
+    for _ in range(2):
+        for x, y in run.data_loader:
+            before = model.weight.detach().clone()
+            run.optimizer.zero_grad()
+            if len(x):
+                F.cross_entropy(run.module(x), y).backward()
+            try:
+                run.optimizer.step()
+            except CorrnoiseError as exc:
+                assert exc.param == "steps"
+            updates += int(not torch.equal(before, model.weight.detach()))
+    assert updates <= 5

@@ -55,12 +55,16 @@ def _optimizer_class():
     class _CorrelatedNoiseDPOptimizer(opacus.optimizers.DPOptimizer):
         """An Opacus ``DPOptimizer`` whose ``add_noise`` adds max_grad_norm * nu * (C^{-1} Z)[t]."""
 
-        def __init__(self, optimizer, *, noise_source, max_grad_norm, expected_batch_size, **kwargs):
+        def __init__(self, optimizer, *, noise_source, max_grad_norm, expected_batch_size, max_steps=None, **kwargs):
             super().__init__(optimizer, noise_multiplier=float(noise_source.noise_std), max_grad_norm=max_grad_norm,
                              expected_batch_size=expected_batch_size, **kwargs)
             self.noise_source = noise_source
+            self.max_steps = int(noise_source.n if max_steps is None else min(max_steps, noise_source.n))
 
         def pre_step(self, closure=None):
+            if self.noise_source.t >= self.max_steps:
+                raise CorrnoiseError("steps", f"all {self.max_steps} planned steps are done; the privacy guarantee "
+                                     "covers no more (plan more steps)")
             if self.params and all(getattr(p, "grad_sample", None) is None for p in self.params):
                 # an empty (Poisson) batch, no backward: the clipped sum is 0, the noise row is still used
                 for p in self.params:
@@ -97,9 +101,10 @@ def __getattr__(name):  # CorrelatedNoiseDPOptimizer is built on first use (opac
 
 def correlated_dp_optimizer(optimizer: torch.optim.Optimizer, strategy, *, noise_std: float, max_grad_norm: float,
                             expected_batch_size: float, seed: int | None = None, method: str = "auto",
-                            **kwargs: Any):
+                            max_steps: int | None = None, **kwargs: Any):
     """Wrap ``optimizer`` (whose params belong to a ``GradSampleModule``) in an Opacus
-    ``DPOptimizer`` with correlated noise: one noise row per (non-skipped) step."""
+    ``DPOptimizer`` with correlated noise: one noise row per (non-skipped) step, and no step
+    after ``max_steps`` (default: the mechanism's n) -- the number of steps the accounting covers."""
     cls = _optimizer_class()
     max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -108,7 +113,7 @@ def correlated_dp_optimizer(optimizer: torch.optim.Optimizer, strategy, *, noise
     source = make_generator(strategy, [p.shape for p in params], noise_std=noise_std, seed=seed,
                             device=params[0].device, dtype=params[0].dtype, method=method)
     return cls(optimizer, noise_source=source, max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
-               **kwargs)
+               max_steps=max_steps, **kwargs)
 
 
 @dataclass
@@ -169,7 +174,8 @@ def make_private_opacus(
     gsm = module if isinstance(module, opacus.GradSampleModule) else opacus.GradSampleModule(
         module, batch_first=True, loss_reduction="mean", strict=True, force_functorch=grad_sample_mode == "functorch")
     dp_opt = correlated_dp_optimizer(optimizer, strategy, noise_std=nu, max_grad_norm=max_grad_norm,
-                                     expected_batch_size=sampler.expected_batch_size, seed=seed, method=noise_method)
+                                     expected_batch_size=sampler.expected_batch_size, seed=seed, method=noise_method,
+                                     max_steps=agreement.steps)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_SafeCollate(dataset))
     return OpacusRun(gsm, dp_opt, loader, strategy, sampler, agreement.batching, nu, delta, accounting_method,
                      accounting_options)
