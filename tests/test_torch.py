@@ -148,7 +148,7 @@ def test_sgd_step_is_theta_minus_lr_times_privatized_gradient():
     sampler = CyclicSampler(40, 8, steps=5, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     private = make_private(model, opt, F.cross_entropy, ds, mechanism="bsr:2", noise_std=0.7, delta=1e-5,
-                           sampler=sampler, clip_norm=0.5, seed=11)
+                           sampler=sampler, clip_norm=0.5, seed=11, noise_seed=11)
     x, y = next(iter(private.data_loader))
     private.step(x, y)
     # reference: loop of clipped single-example gradients + the generator's first noise row
@@ -304,7 +304,7 @@ def test_opacus_adapter_adds_our_correlated_noise():
     before = [p.detach().clone() for p in model.parameters()]
     run = make_private_opacus(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(), mechanism="bsr:2",
                               noise_std=0.9, delta=1e-5, sampler=CyclicSampler(40, 8, steps=5, seed=0),
-                              max_grad_norm=0.5, seed=21)
+                              max_grad_norm=0.5, seed=21, noise_seed=21)
     noise_gen = make_generator(parse_strategy("bsr:2", 5), [p.shape for p in before], noise_std=0.9, seed=21,
                                dtype=torch.float64)
     ref_model = _mlp()
@@ -388,3 +388,18 @@ def test_fixed_size_balls_in_bins_batches_pad_with_zero_weight():
         for g, s in zip(got, want):
             torch.testing.assert_close(g, s / 8.0)
     assert padded_seen == sampler.padding_report()["padded"] > 0
+
+
+def test_noise_seed_is_secret_unless_given():
+    """The sampler seed must not fix the noise: whoever knows the noise seed can subtract it."""
+    runs = []
+    for _ in range(2):
+        model = _mlp()
+        runs.append(make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                                 mechanism="identity", noise_std=1.0, delta=1e-5, batch_size=10, steps=3, seed=5))
+    seeds = [r.privatizer.generator.seed for r in runs]
+    assert seeds[0] != seeds[1] and 5 not in seeds
+    model = _mlp()
+    fixed = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                         mechanism="identity", noise_std=1.0, delta=1e-5, batch_size=10, steps=3, seed=5, noise_seed=9)
+    assert fixed.privatizer.generator.seed == 9

@@ -162,6 +162,7 @@ def train_digits(
     epochs: float = 5,
     batch_size: int = 64,
     seed: int = 0,
+    noise_seed: int | None = None,
     lr: float = 0.5,
     momentum: float = 0.9,
     optimizer: str = "sgd",
@@ -169,7 +170,12 @@ def train_digits(
     hidden: int = 32,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Plan, calibrate, train and evaluate; returns the ``corrnoise train`` JSON object."""
+    """Plan, calibrate, train and evaluate; returns the ``corrnoise train`` JSON object.
+
+    ``seed`` fixes the data order (sampler) and the model initialization; the noise comes from a
+    secret OS seed unless ``noise_seed`` is given (reproducible experiments only: whoever knows
+    the noise seed can subtract the noise, so it is never printed).
+    """
     from .torch import make_private
 
     start = time.perf_counter()
@@ -199,7 +205,7 @@ def train_digits(
     dataset = torch.utils.data.TensorDataset(xtr, ytr)
     private = make_private(model, opt, torch.nn.functional.cross_entropy, dataset, mechanism=chosen.strategy,
                            sampler=chosen.sampler, noise_std=chosen.noise_std, delta=delta, clip_norm=clip_norm,
-                           seed=seed)
+                           seed=seed, noise_seed=noise_seed)
     loss_sum, loss_count = 0.0, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only add synchronisation (5-10x slower on a busy machine)
@@ -289,22 +295,25 @@ class _progress:
 @click.option("--delta", type=float, required=True, help="Target delta.")
 @click.option("--epochs", type=float, default=5, show_default=True, help="Passes over the training data.")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="(Expected) batch size B.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling, noise and model init.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order and model init.")
+@click.option("--noise-seed", type=int, default=None,
+              help="Fix the noise seed (reproducible experiments only: it lets anyone remove the noise). "
+                   "Default: a secret seed from the OS.")
 @click.option("--lr", type=float, default=0.5, show_default=True, help="Learning rate.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True,
               help="sgd (with --momentum) or adam.")
 @click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
 @click.option("--clip-norm", type=float, default=1.0, show_default=True, help="Per-example clip norm.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def train_command(dataset, mechanism, epsilon, delta, epochs, batch_size, seed, lr, optimizer, momentum, clip_norm,
-                  as_json):
+def train_command(dataset, mechanism, epsilon, delta, epochs, batch_size, seed, noise_seed, lr, optimizer, momentum,
+                  clip_norm, as_json):
     """Private training on DATASET with a correlated-noise MECHANISM at (EPSILON, DELTA)."""
     from .report import emit as _emit
 
     if mechanism not in MECHANISMS:
         raise CorrnoiseError("mechanism", f"must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
     result = train_digits(mechanism, epsilon=epsilon, delta=delta, epochs=epochs, batch_size=batch_size, seed=seed,
-                          lr=lr, momentum=momentum, optimizer=optimizer, clip_norm=clip_norm,
+                          noise_seed=noise_seed, lr=lr, momentum=momentum, optimizer=optimizer, clip_norm=clip_norm,
                           progress=not as_json and sys.stderr.isatty())
     if as_json:
         click.echo(json.dumps(result, allow_nan=False))

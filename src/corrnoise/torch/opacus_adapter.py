@@ -159,13 +159,15 @@ def make_private_opacus(
     sampler="auto",
     max_grad_norm: float = 1.0,
     seed: int | None = None,
+    noise_seed: int | None = None,
     accounting_method: str = "auto",
     noise_method: str = "auto",
     grad_sample_mode: str = "hooks",
     accounting_options: dict | None = None,
 ) -> OpacusRun:
     """Like :func:`corrnoise.torch.make_private`, but per-sample gradients, clipping and the
-    optimizer flow are Opacus's (``GradSampleModule`` + ``DPOptimizer``); the noise is ours."""
+    optimizer flow are Opacus's (``GradSampleModule`` + ``DPOptimizer``); the noise is ours.
+    ``seed`` drives the sampler, ``noise_seed`` the noise (None: a secret OS seed; see make_private)."""
     opacus = require_opacus()
     strategy, sampler, agreement, nu = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
@@ -174,8 +176,8 @@ def make_private_opacus(
     gsm = module if isinstance(module, opacus.GradSampleModule) else opacus.GradSampleModule(
         module, batch_first=True, loss_reduction="mean", strict=True, force_functorch=grad_sample_mode == "functorch")
     dp_opt = correlated_dp_optimizer(optimizer, strategy, noise_std=nu, max_grad_norm=max_grad_norm,
-                                     expected_batch_size=sampler.expected_batch_size, seed=seed, method=noise_method,
-                                     max_steps=agreement.steps)
+                                     expected_batch_size=sampler.expected_batch_size, seed=noise_seed,
+                                     method=noise_method, max_steps=agreement.steps)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_SafeCollate(dataset))
     return OpacusRun(gsm, dp_opt, loader, strategy, sampler, agreement.batching, nu, delta, accounting_method,
                      accounting_options)

@@ -526,6 +526,7 @@ def make_private(
     sampler: BatchSampler | str = "auto",
     clip_norm: float = 1.0,
     seed: int | None = None,
+    noise_seed: int | None = None,
     accounting_method: str = "auto",
     noise_method: str = "auto",
     num_workers: int = 0,
@@ -545,6 +546,9 @@ def make_private(
     call ``step(x, y, weights=w)`` (seed 000 App. I: always B entries, always divided by B).
     ``accounting_options`` go to the accounting method for calibration and ``privacy_spent``
     (e.g. ``{"discretization": 1e-3}`` for a coarser, still pessimistic, PLD grid).
+    ``seed`` drives the sampler only. ``noise_seed`` drives the noise: leave it None (a secret
+    seed from the OS) for any real release -- whoever knows it can regenerate and subtract the
+    noise; set it only for reproducible experiments and tests.
     """
     strategy, sampler, agreement, nu = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
@@ -553,7 +557,7 @@ def make_private(
     run_steps = agreement.steps
     params = list(trainable_parameters(model).values())
     privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=clip_norm,
-                                           expected_batch_size=sampler.expected_batch_size, seed=seed,
+                                           expected_batch_size=sampler.expected_batch_size, seed=noise_seed,
                                            method=noise_method)
     private = PrivateOptimizer(optimizer, model, loss_fn, privatizer, strategy=strategy, batching=agreement.batching,
                                delta=delta, steps=run_steps, accounting_method=accounting_method, sampler=sampler,
