@@ -65,10 +65,10 @@ def _is_plain_toeplitz(strategy: Strategy) -> bool:
     return isinstance(strategy, Toeplitz) and not isinstance(strategy, ColumnNormalized)
 
 
-def _require_materializable(strategy: Strategy) -> None:
+def _require_materializable(strategy: Strategy, what: str = "loss") -> None:
     if strategy.n > MAX_DENSE_N:
         raise CorrnoiseError(
-            "n", f"{strategy.label} has no structured loss path; n must be <= {MAX_DENSE_N}, got {strategy.n}"
+            "n", f"{strategy.label} has no structured {what} path; n must be <= {MAX_DENSE_N}, got {strategy.n}"
         )
 
 
@@ -187,7 +187,7 @@ def mechanism_sensitivity(strategy: Strategy, participation: Participation | str
         return sensitivity_banded(strategy.column_norms_squared(), schema, n, strategy.bands)
     if _is_plain_toeplitz(strategy) and strategy.is_nonnegative_monotone():
         return sensitivity_toeplitz_monotone(strategy.toeplitz_coefficients, schema, n)
-    _require_materializable(strategy)
+    _require_materializable(strategy, "sensitivity (for this participation)")
     return sensitivity_dense(strategy.matrix(), schema)
 
 
