@@ -206,16 +206,35 @@ def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: floa
 
     Amplified batchings analyse the leading ``steps`` x ``steps`` block of C (fewer steps, fewer
     compositions); unamplified accounting analyses the ``planned_steps`` block, the run its
-    participation schema describes (conservative before the end of the run). Zero steps: 0.
+    participation schema describes (conservative before the end of the run). Balls-in-bins
+    batching analyses the leading ceil(steps / bins) * bins steps (whole epochs; conservative
+    mid-epoch). ``extras["accounted_steps"]`` is the number of steps analysed. Zero steps: 0.
     """
     if steps == 0:
         return PrivacyResult(0.0, delta, noise_std, math.nan, "none", {"steps": 0})
     if isinstance(batching, NoBatching):
-        accounted = leading_strategy(strategy, max(steps, planned_steps or steps))
+        accounted_steps = max(steps, planned_steps or steps)
+    elif isinstance(batching, BallsInBins):
+        accounted_steps = balls_in_bins_accounted_steps(steps, batching.bins)
+        if accounted_steps > strategy.n:
+            raise CorrnoiseError(
+                "steps", f"{steps} steps of balls-in-bins:{batching.bins} are accounted as {accounted_steps} "
+                f"(whole epochs of {batching.bins} bins) but {strategy.label} has only n = {strategy.n} steps; "
+                f"build the mechanism for a multiple of {batching.bins} steps")
     else:
-        accounted = leading_strategy(strategy, steps)
+        accounted_steps = steps
+    accounted = leading_strategy(strategy, accounted_steps)
     result = account(accounted, batching, delta=delta, noise_std=noise_std, method=method, **options)
-    return result.with_extras(steps=int(steps))
+    return result.with_extras(steps=int(steps), accounted_steps=int(accounted_steps))
+
+
+def balls_in_bins_accounted_steps(steps: int, bins: int) -> int:
+    """ceil(steps / bins) * bins: the steps accounted after ``steps`` steps of balls-in-bins
+    batching, whose Monte Carlo accounting (seed 000 Lemma 3.2) needs whole epochs of ``bins``
+    steps. Conservative: row t of C^{-1} Z, hence the noise of step t, depends only on rows
+    <= t of Z (C lower triangular), so the first ``steps`` outputs are post-processing of the
+    longer run's outputs and their epsilon is at most the longer run's."""
+    return -(-int(steps) // int(bins)) * int(bins)
 
 
 # ----------------------------------------------------------------------------------------------
