@@ -32,6 +32,7 @@ import torch
 
 from ..errors import CorrnoiseError, check_real
 from ..noise import make_generator
+from ..sampling import BallsInBinsSampler
 from .optimizer import _SafeCollate, plan_private, privacy_spent
 
 __all__ = ["require_opacus", "CorrelatedNoiseDPOptimizer", "correlated_dp_optimizer", "OpacusRun",
@@ -45,6 +46,11 @@ def require_opacus():
     except ImportError:
         raise CorrnoiseError("opacus", "is not installed; install the extra: pip install 'corrnoise[opacus]'") from None
     return opacus
+
+
+_VIRTUAL_STEPS = ("virtual steps (BatchMemoryManager, skipped steps, gradient accumulation) put several sampled "
+                  "batches into one noise row, which the accounted sampling rate does not cover; use one sampled "
+                  "batch per optimizer step (a smaller batch_size, or make_private with chunk_size)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,10 +67,21 @@ def _optimizer_class():
             self.noise_source = noise_source
             self.max_steps = int(noise_source.n if max_steps is None else min(max_steps, noise_source.n))
 
+        def signal_skip_step(self, do_skip=True):
+            if do_skip:
+                raise CorrnoiseError("signal_skip_step", _VIRTUAL_STEPS)
+            super().signal_skip_step(do_skip)
+
         def pre_step(self, closure=None):
             if self.noise_source.t >= self.max_steps:
                 raise CorrnoiseError("steps", f"all {self.max_steps} planned steps are done; the privacy guarantee "
                                      "covers no more (plan more steps)")
+            if self._check_skip_next_step(pop_next=False):
+                raise CorrnoiseError("signal_skip_step", _VIRTUAL_STEPS)
+            accumulated = [len(p.grad_sample) for p in self.params if isinstance(getattr(p, "grad_sample", None), list)]
+            if accumulated and max(accumulated) > 1:
+                raise CorrnoiseError("step", f"{max(accumulated)} backward passes are accumulated into one step "
+                                     f"(call zero_grad() before each batch's backward); {_VIRTUAL_STEPS}")
             if self.params and all(getattr(p, "grad_sample", None) is None for p in self.params):
                 # an empty (Poisson) batch, no backward: the clipped sum is 0, the noise row is still used
                 for p in self.params:
@@ -79,6 +96,32 @@ def _optimizer_class():
                 self._is_last_step_skipped = False
                 return True
             return super().pre_step(closure)
+
+        def clip_and_accumulate(self):
+            self._zero_out_non_finite()
+            super().clip_and_accumulate()
+
+        def _zero_out_non_finite(self):
+            """Replace every example's per-sample gradient by 0 (its zero-out neighbour, tutorial
+            Def. 3.5) when any entry of it is NaN/inf: Opacus's clipping would carry the NaN/inf
+            into the summed gradient and the release would reveal that the example was in the
+            batch (as :func:`corrnoise.torch.per_example.clip_and_sum` does for our own path)."""
+            if not self.params or any(getattr(p, "grad_sample", None) is None for p in self.params):
+                return  # Opacus's own checks report a missing per-sample gradient
+            for p in self.params:
+                _check_processed_flag(p.grad_sample)
+            grads = [self._get_flat_grad_sample(p) for p in self.params]
+            b = len(grads[0])
+            if b == 0:
+                return
+            finite = torch.ones(b, dtype=torch.bool, device=grads[0].device)
+            for g in grads:
+                finite &= torch.isfinite(g.reshape(b, -1)).all(dim=1).to(finite.device)
+            if bool(finite.all()):
+                return
+            for p, g in zip(self.params, grads):
+                keep = finite.to(g.device).reshape(b, *([1] * (g.dim() - 1)))
+                p.grad_sample = torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
         def add_noise(self):
             noise = self.noise_source.next()
@@ -173,6 +216,9 @@ def make_private_opacus(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps, sampler=sampler,
         seed=seed, accounting_method=accounting_method, accounting_options=accounting_options)
+    if isinstance(sampler, BallsInBinsSampler) and sampler.batch_size is not None:
+        raise CorrnoiseError("sampler", "fixed-size balls-in-bins batches pad with weight-0 entries, which the Opacus "
+                             "adapter cannot weight; use make_private, or BallsInBinsSampler without batch_size")
     gsm = module if isinstance(module, opacus.GradSampleModule) else opacus.GradSampleModule(
         module, batch_first=True, loss_reduction="mean", strict=True, force_functorch=grad_sample_mode == "functorch")
     dp_opt = correlated_dp_optimizer(optimizer, strategy, noise_std=nu, max_grad_norm=max_grad_norm,
