@@ -1,0 +1,274 @@
+"""The PyTorch front door: make_private(module, optimizer, data_loader) on the user's own loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from corrnoise.accounting import account
+from corrnoise.errors import CorrnoiseError
+from corrnoise.torch.front import DPOptimizer, make_private
+
+
+def _data(n=64, d=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+def _mlp(d=8, classes=3):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, classes))
+
+
+def test_tutorial_loop_needs_one_added_statement_and_trains():
+    train_set = _data(256)
+    model = _mlp()
+    loader = DataLoader(train_set, batch_size=32, shuffle=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    criterion = nn.CrossEntropyLoss()
+    # the one added statement:
+    model, optimizer, loader = make_private(model, optimizer, loader, epsilon=50.0, delta=1e-5, epochs=4,
+                                            max_grad_norm=1.0, mechanism="bsr:4", noise_seed=1, seed=1)
+    losses = []
+    for _ in range(4):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    assert optimizer.steps_taken == optimizer.steps
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    spent = optimizer.privacy_spent()
+    assert spent.epsilon <= 50.0
+
+
+def test_step_lr_scheduler_drives_the_wrapped_optimizer():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt, loader = make_private(model, opt, DataLoader(_data(64), batch_size=8), noise_multiplier=1.0,
+                                      delta=1e-5, steps=4, max_grad_norm=1.0, mechanism="identity",
+                                      batching="cyclic", noise_seed=0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert opt.original.param_groups[0]["lr"] == pytest.approx(1.0 / 16)
+
+
+class _DictModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(2, 3)
+
+    def forward(self, batch):
+        return self.a(batch["x"]) + self.b(batch["z"])
+
+
+class _DictSet(torch.utils.data.Dataset):
+    def __init__(self, n=40):
+        g = torch.Generator().manual_seed(3)
+        self.x, self.z = torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "z": self.z[i], "label": self.y[i]}
+
+
+def test_model_taking_a_dict_batch_trains():
+    model = _DictModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = make_private(model, opt, DataLoader(_DictSet(), batch_size=8), noise_multiplier=0.5,
+                                      delta=1e-5, epochs=1, max_grad_norm=1.0, mechanism="dpcgd:0.5",
+                                      batching="cyclic", noise_seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for batch in loader:
+        nn.functional.cross_entropy(model(batch), batch["label"]).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.steps_taken == 5
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_add_param_group_is_refused():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, opt, _ = make_private(model, opt, DataLoader(_data(32), batch_size=8), noise_multiplier=1.0, delta=1e-5,
+                             steps=2, max_grad_norm=1.0, mechanism="identity", batching="cyclic")
+    with pytest.raises(CorrnoiseError, match="param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+# ----------------------------------------------------------------------------------------------
+# Noise audit: with zero gradients the released updates are exactly the accounted noise
+# ----------------------------------------------------------------------------------------------
+class _ZeroGradient(nn.Module):
+    """A Linear layer fed zeros: every per-example gradient is exactly 0."""
+
+    def __init__(self, d_in=50, d_out=400):
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out, bias=False)
+
+    def forward(self, x):
+        return self.lin(torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("mechanism", ["bsr:4", "dpcgd:0.8"])
+def test_noise_audit_covariance_is_the_accounted_noise(mechanism):
+    from corrnoise.strategies import parse_strategy
+
+    n_ex, batch, steps, clip = 40, 4, 10, 0.5
+    model = _ZeroGradient().double()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    data = TensorDataset(torch.randn(n_ex, 50, dtype=torch.float64), torch.zeros(n_ex))
+    model, opt, loader = make_private(model, opt, DataLoader(data, batch_size=batch), noise_multiplier=1.3,
+                                      delta=1e-5, steps=steps, max_grad_norm=clip, mechanism=mechanism,
+                                      batching="cyclic")
+    w = [model.lin.weight.detach().clone().reshape(-1)]
+    for x, _ in loader:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        w.append(model.lin.weight.detach().clone().reshape(-1))
+    released = -(torch.stack(w[1:]) - torch.stack(w[:-1])).numpy()  # (steps, m): g_hat_t = noise
+    strategy = parse_strategy(mechanism, steps)
+    scale = opt.noise_std * clip / opt.expected_batch_size
+    whitened = strategy.matrix()[:steps, :steps] @ released / scale  # C (s C^-1 Z) / s = Z
+    m = whitened.shape[1]
+    # every row ~ N(0, 1) i.i.d.: variance 1 within 6 standard errors, rows uncorrelated
+    var = (whitened ** 2).mean(axis=1)
+    assert np.all(np.abs(var - 1.0) < 6 * np.sqrt(2.0 / m))
+    corr = np.corrcoef(whitened)
+    off = corr[~np.eye(steps, dtype=bool)]
+    assert np.max(np.abs(off)) < 6 / np.sqrt(m)
+    # privacy_spent is the accounting of exactly this noise
+    spent = opt.privacy_spent()
+    direct = account(strategy, opt.batching, delta=1e-5, noise_std=opt.noise_std)
+    assert spent.epsilon == pytest.approx(direct.epsilon, rel=1e-12)
+
+
+def test_noise_audit_detects_a_wrong_scale():
+    """The audit's statistics are sharp enough to see a 10% error in the noise scale."""
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((10, 20000)) * 1.1
+    var = (z ** 2).mean(axis=1)
+    assert not np.all(np.abs(var - 1.0) < 6 * np.sqrt(2.0 / z.shape[1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Clipping bounds every example's influence
+# ----------------------------------------------------------------------------------------------
+def _released(first_x, first_y=None, *, noise_seed=5):
+    """The released sum of clipped gradients + noise of one step on 8 examples (example 0 given)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 3, dtype=torch.float64, generator=gen)
+    y = torch.randn(8, 2, dtype=torch.float64, generator=gen)
+    x[0] = first_x
+    y[0] = model.bias.detach() if first_y is None else first_y  # x = 0, y = bias: gradient exactly 0
+    model, opt, loader = make_private(model, opt, DataLoader(TensorDataset(x, y), batch_size=8),
+                                      noise_multiplier=1.0, delta=1e-5, steps=1, max_grad_norm=1.0,
+                                      mechanism="identity", batching="cyclic", noise_seed=noise_seed, seed=0)
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    for xb, yb in loader:
+        nn.functional.mse_loss(model(xb), yb, reduction="sum").backward()
+        opt.step()
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return (before - after) * opt.expected_batch_size  # the released sum (noise included)
+
+
+def test_a_huge_gradient_moves_the_released_sum_by_at_most_the_clip_norm():
+    """Zero-out adjacency: the same run with example 0's gradient replaced by 0."""
+    huge = _released(torch.tensor([1e6, -1e6, 1e6], dtype=torch.float64), torch.tensor([3.0, -2.0]))
+    zeroed = _released(torch.zeros(3, dtype=torch.float64))
+    diff = float(torch.linalg.norm(huge - zeroed))
+    assert diff <= 1.0 + 1e-9
+    assert diff >= 1.0 - 1e-6  # the huge gradient is clipped to exactly the clip norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient accumulation and checkpoints
+# ----------------------------------------------------------------------------------------------
+def _run(max_physical=None, steps=3, mech="bsr:2"):
+    torch.manual_seed(0)
+    model = _mlp().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    data = TensorDataset(torch.randn(48, 8, dtype=torch.float64), torch.randint(0, 3, (48,)))
+    model, opt, loader = make_private(model, opt, DataLoader(data, batch_size=16), noise_multiplier=1.0,
+                                      delta=1e-5, steps=steps, max_grad_norm=0.7, mechanism=mech,
+                                      batching="cyclic", noise_seed=11, seed=2,
+                                      max_physical_batch_size=max_physical)
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_micro_batches_give_the_same_update_as_one_logical_batch():
+    whole, opt_whole = _run(None)
+    micro, opt_micro = _run(5)
+    assert opt_micro.steps_taken == opt_whole.steps_taken == 3
+    for a, b in zip(whole.parameters(), micro.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_checkpoint_resumes_the_same_noise_stream_only_with_the_seed():
+    full, _ = _run(None, steps=3)
+    # run 1 step, checkpoint (seed not stored), resume in a fresh run with the seed passed again
+    torch.manual_seed(0)
+    model = _mlp().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    data = TensorDataset(torch.randn(48, 8, dtype=torch.float64), torch.randint(0, 3, (48,)))
+
+    def build(m, o, noise_seed):
+        return make_private(m, o, DataLoader(data, batch_size=16), noise_multiplier=1.0, delta=1e-5, steps=3,
+                            max_grad_norm=0.7, mechanism="bsr:2", batching="cyclic", noise_seed=noise_seed, seed=2)
+
+    model, opt, loader = build(model, opt, 11)
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        break
+    state = opt.state_dict()
+    assert "seed" not in state["noise"]["generator"]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    m2 = _mlp().double()
+    m2.load_state_dict(weights)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.3, momentum=0.9)
+    m2, o2, l2 = build(m2, o2, 999)
+    with pytest.raises(CorrnoiseError, match="noise_seed"):
+        o2.load_state_dict({**state, "noise": {**state["noise"], "generator": {**state["noise"]["generator"],
+                                                                               "seed": 1}}})
+    m3 = _mlp().double()
+    m3.load_state_dict(weights)
+    o3 = torch.optim.SGD(m3.parameters(), lr=0.3, momentum=0.9)
+    m3, o3, l3 = build(m3, o3, 11)
+    o3.load_state_dict(state)
+    for x, y in l3:
+        nn.functional.cross_entropy(m3(x), y).backward()
+        o3.step()
+        o3.zero_grad()
+    assert o3.steps_taken == 3
+    for a, b in zip(full.parameters(), m3.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_private_optimizer_is_a_torch_optimizer():
+    assert issubclass(DPOptimizer, torch.optim.Optimizer)
