@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test install install-test clean
+.PHONY: run test install install-test clean data
 
 # torch first, pinned to the CPU wheel already on these machines, so no CUDA build is pulled.
 $(VENV)/.installed: pyproject.toml
@@ -29,6 +29,27 @@ run: install
 
 test: install-test
 	$(PY) -m pytest -q -n 2 tests
+
+# Fashion-MNIST for `corrnoise.datasets` without root and without touching the system: fetch
+# Debian's dataset-fashion-mnist .deb with apt-get download (the only network access; the
+# loaders never download) and unpack it into .data/ (.data/usr/share/datasets/fashion-mnist).
+# Elsewhere: put the four (.gz) IDX files in $$CORRNOISE_DATA/fashion-mnist instead.
+DATA_DIR := .data
+FASHION_DIR := $(DATA_DIR)/usr/share/datasets/fashion-mnist
+data: $(FASHION_DIR)/t10k-labels-idx1-ubyte.gz
+
+$(FASHION_DIR)/t10k-labels-idx1-ubyte.gz:
+	@if ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg >/dev/null 2>&1; then \
+	  echo "make data: apt-get/dpkg not found. Put train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,"; \
+	  echo "  t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz (Fashion-MNIST) in \$$CORRNOISE_DATA/fashion-mnist"; \
+	  exit 1; \
+	fi
+	@tmp=$$(mktemp -d) && chmod 755 "$$tmp" && trap 'rm -rf "$$tmp"' EXIT && \
+	  (cd "$$tmp" && apt-get download dataset-fashion-mnist) || { \
+	    echo "make data: 'apt-get download dataset-fashion-mnist' failed; run 'apt-get update' (as root) and retry,"; \
+	    echo "  or put the four Fashion-MNIST IDX files in \$$CORRNOISE_DATA/fashion-mnist"; exit 1; } && \
+	  mkdir -p $(DATA_DIR) && dpkg -x "$$tmp"/dataset-fashion-mnist_*.deb $(DATA_DIR) && \
+	  ls -l $(FASHION_DIR)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
