@@ -81,8 +81,10 @@ def _mean_error(strategy) -> float:
 
 def _calibrated(strategy, batching, epsilon, delta):
     from .accounting import calibrate
+    from .accounting.base import require_guarantee
 
-    return calibrate(strategy, batching, epsilon=epsilon, delta=delta, discretization=PLAN_DISCRETIZATION)
+    return require_guarantee(calibrate(strategy, batching, epsilon=epsilon, delta=delta,
+                                       discretization=PLAN_DISCRETIZATION), "train")
 
 
 def _plan_one(name: str, num_examples: int, batch_size: int, epochs: float, epsilon: float, delta: float,

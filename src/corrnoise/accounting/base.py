@@ -50,6 +50,8 @@ __all__ = [
     "BallsInBins",
     "parse_batching",
     "PrivacyResult",
+    "RESULT_KINDS",
+    "require_guarantee",
     "MethodSpec",
     "register_method",
     "get_method",
@@ -200,12 +202,19 @@ def parse_batching(spec: Any, participation: Participation | str | None = None) 
 # ----------------------------------------------------------------------------------------------
 # Results
 # ----------------------------------------------------------------------------------------------
+#: What a :class:`PrivacyResult` is: a formal (epsilon, delta) ``guarantee``; an informal Monte
+#: Carlo ``estimate`` (seed 000 Sec. 2, unverified); a ``lower_bound`` on epsilon (MMCC with
+#: p~ = p, seed 001), which shows how tight an analysis is but guarantees nothing.
+RESULT_KINDS = ("guarantee", "estimate", "lower_bound")
+
+
 @dataclass(frozen=True)
 class PrivacyResult:
-    """What an accounting method proved: the mechanism with ``noise_std`` is (epsilon, delta)-DP.
+    """What an accounting method found for the mechanism with ``noise_std``: (epsilon, delta) and
+    its ``kind`` (:data:`RESULT_KINDS`) -- only a ``"guarantee"`` proves (epsilon, delta)-DP.
 
     ``extras`` carries method-specific, JSON-able scalars (``gdp_mu``, ``steps``, ``std_error``,
-    ``verified`` ...); :meth:`to_dict` flattens them after the five core fields.
+    ``verified`` ...); :meth:`to_dict` flattens them after the core fields.
     """
 
     epsilon: float
@@ -214,6 +223,11 @@ class PrivacyResult:
     noise_multiplier: float
     method: str
     extras: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    kind: str = "guarantee"
+
+    def __post_init__(self):
+        if self.kind not in RESULT_KINDS:
+            raise CorrnoiseError("kind", f"must be one of {', '.join(RESULT_KINDS)}, got {self.kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -222,6 +236,7 @@ class PrivacyResult:
             "noise_std": float(self.noise_std),
             "noise_multiplier": float(self.noise_multiplier),
             "method": self.method,
+            "kind": self.kind,
         }
         for key, value in self.extras.items():
             if key not in out:
@@ -231,7 +246,22 @@ class PrivacyResult:
     def with_extras(self, **extras: Any) -> "PrivacyResult":
         """A copy with more extras (later keys win)."""
         return PrivacyResult(self.epsilon, self.delta, self.noise_std, self.noise_multiplier, self.method,
-                             {**self.extras, **extras})
+                             {**self.extras, **extras}, self.kind)
+
+
+def require_guarantee(result: PrivacyResult, use: str) -> PrivacyResult:
+    """``result`` if it is a formal guarantee, else a one-line CorrnoiseError: noise that is
+    calibrated, trained with or reported as spent must rest on a proof, never on an unverified
+    Monte Carlo estimate (seed 000 Thm 2.1: only a verified estimate may be released) or on a
+    lower bound.  ``use`` says what needed it (``calibrate``, ``training`` ...)."""
+    if result.kind == "guarantee":
+        return result
+    fix = ("drop estimate=True (Monte Carlo results are verified by default)" if result.kind == "estimate"
+           else "drop lower_bound=True")
+    param = "estimate" if result.kind == "estimate" else "lower_bound"
+    raise CorrnoiseError(param, f"{use} needs a formal (epsilon, delta) guarantee, but {result.method} gave "
+                         f"{'an' if result.kind == 'estimate' else 'a'} {result.kind.replace('_', ' ')} "
+                         f"(epsilon {result.epsilon:.4g}); {fix}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -476,4 +506,5 @@ def account(strategy, batching, *, delta, noise_std=None, noise_multiplier=None,
 def _annotate(result: PrivacyResult, strategy, batching: Batching) -> PrivacyResult:
     context = {"mechanism": strategy.label, "n": int(strategy.n), "batching": batching.spec}
     return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, result.method,
-                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}})
+                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}},
+                         result.kind)

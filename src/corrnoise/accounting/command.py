@@ -48,9 +48,12 @@ def _jsonable(data: dict) -> dict:
 @click.option("--method", type=click.Choice(METHOD_CHOICES), default="auto", show_default=True,
               help="Accounting method (auto picks by batching and mechanism).")
 @click.option("--samples", type=int, default=None, help="Monte Carlo samples (method mc).")
-@click.option("--seed", type=int, default=None, help="Random seed (Monte Carlo methods).")
+@click.option("--seed", type=int, default=None,
+              help="Monte Carlo seed, for reproducible experiments only (retrying with one seed re-uses its "
+                   "verification sample and voids the failure probability). Default: fresh OS entropy, recorded "
+                   "in the output.")
 @click.option("--verify", is_flag=True, default=False,
-              help="Monte Carlo: formally verify with fresh samples (Estimate-Verify-Release).")
+              help="Monte Carlo: formally verify with fresh samples (Estimate-Verify-Release; the default).")
 @click.option("--lower-bound", "lower_bound", is_flag=True, default=False,
               help="MMCC: report the lower bound (p_tilde = p) that shows how tight MMCC is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
