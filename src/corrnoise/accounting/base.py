@@ -285,6 +285,7 @@ class MethodSpec:
     calibrate: CalibrateFn | None = None
     options: tuple[str, ...] = ()
     description: str = ""
+    delta_of: Callable[..., PrivacyResult] | None = None
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -309,6 +310,7 @@ def register_method(
     calibrate: CalibrateFn | None = None,
     options: tuple[str, ...] = (),
     description: str = "",
+    delta_of: Callable[..., PrivacyResult] | None = None,
 ) -> Callable[[AccountFn], AccountFn]:
     """Decorator registering ``fn(strategy, batching, noise_std, delta, **options)`` as ``name``.
 
@@ -332,6 +334,7 @@ def register_method(
             calibrate=calibrate,
             options=tuple(options),
             description=description or _first_line(fn.__doc__),
+            delta_of=delta_of,
         )
         return fn
 
@@ -458,24 +461,57 @@ def prepare(strategy, batching, delta, method: str = "auto") -> tuple[MethodSpec
 _BATCHING_NAMES = {NoBatching: "none", Poisson: "poisson", BlockCyclic: "block-cyclic", BallsInBins: "balls-in-bins"}
 
 
-def accepted_options(fn: Callable[..., Any], options: dict[str, Any], extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The set (non-None) ``options`` that ``fn`` accepts: its keyword parameters, everything if it
-    takes ``**kwargs``, plus the names in ``extra``.  One command line thus serves all methods
-    (``--samples`` is simply not passed to ``pld``)."""
+#: Options that only steer the display: a method that does not take them just shows no progress.
+DISPLAY_OPTIONS = ("progress",)
+#: The positional inputs of account / calibrate functions: never options.
+_INPUTS = ("strategy", "batching", "noise_std", "delta", "epsilon")
+
+
+def _option_names(fn: Callable[..., Any], extra: tuple[str, ...] = ()) -> set[str] | None:
+    """The option names ``fn`` takes (its keyword parameters other than the inputs, plus
+    ``extra``), or None if it takes ``**kwargs`` (anything)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins
         params = {}
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
     names = {name for name, p in params.items()
              if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
-    return {k: v for k, v in options.items() if v is not None and (takes_all or k in names or k in extra)}
+    return (names - set(_INPUTS)) | set(extra)
+
+
+def accepted_options(fn: Callable[..., Any], options: dict[str, Any], extra: tuple[str, ...] = (),
+                     method: str = "this method") -> dict[str, Any]:
+    """The set (non-None) ``options`` for ``fn``.  An option ``fn`` does not take raises a one-line
+    CorrnoiseError naming it -- an option dropped silently (a misspelt ``discretisation``, a
+    ``verify`` the method cannot honour) would change what is proved without saying so.  Only the
+    display options (:data:`DISPLAY_OPTIONS`) are dropped where unsupported."""
+    names = _option_names(fn, extra)
+    out = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        if names is None or key in names:
+            out[key] = value
+        elif key not in DISPLAY_OPTIONS:
+            known = ", ".join(sorted(names)) or "none"
+            raise CorrnoiseError(key, f"is not an option of accounting method {method} (its options: {known})")
+    return out
+
+
+def method_accepts(spec: MethodSpec, name: str, calibrating: bool = False) -> bool:
+    """Whether ``spec``'s account (or native calibrate) function takes option ``name``."""
+    fn = spec.calibrate if calibrating and spec.calibrate is not None else spec.account
+    names = _option_names(fn, spec.options)
+    return names is None or name in names
 
 
 def method_options(spec: MethodSpec, options: dict[str, Any], calibrating: bool = False) -> dict[str, Any]:
-    """The options ``spec``'s account (or native calibrate) function accepts, unset ones dropped."""
+    """The options for ``spec``'s account (or native calibrate) function, unset ones dropped; an
+    unsupported one raises (:func:`accepted_options`)."""
     fn = spec.calibrate if calibrating and spec.calibrate is not None else spec.account
-    return accepted_options(fn, options, spec.options)
+    return accepted_options(fn, options, spec.options, spec.name)
 
 
 def resolve_noise_std(strategy, noise_std: Any = None, noise_multiplier: Any = None) -> float:
@@ -488,13 +524,22 @@ def resolve_noise_std(strategy, noise_std: Any = None, noise_multiplier: Any = N
     return sigma * column_norm(strategy)
 
 
-def account(strategy, batching, *, delta, noise_std=None, noise_multiplier=None, method: str = "auto",
-            **options: Any) -> PrivacyResult:
+def account(strategy, batching, *, delta=None, noise_std=None, noise_multiplier=None, epsilon=None,
+            method: str = "auto", **options: Any) -> PrivacyResult:
     """(epsilon, delta) of ``strategy`` under ``batching`` with the given noise (one of
-    ``noise_std`` or ``noise_multiplier``), by ``method`` (``auto`` picks as :func:`choose_method`).
+    ``noise_std`` or ``noise_multiplier``), by ``method`` (``auto`` picks as :func:`choose_method`):
+    epsilon(delta) given ``delta``, or delta(epsilon) given ``epsilon`` (:func:`.delta.account_delta`).
 
-    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to methods that accept them.
+    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to the method; one it does not
+    take raises, naming it.
     """
+    if (delta is None) == (epsilon is None):
+        raise CorrnoiseError("delta", "give exactly one of delta (for epsilon(delta)) and epsilon (for delta(epsilon))")
+    if epsilon is not None:
+        from .delta import account_delta
+
+        return account_delta(strategy, batching, epsilon=epsilon, noise_std=noise_std,
+                             noise_multiplier=noise_multiplier, method=method, **options)
     nu = resolve_noise_std(strategy, noise_std, noise_multiplier)
     spec, batching, delta = prepare(strategy, batching, delta, method)
     result = spec.account(strategy, batching, nu, delta, **method_options(spec, options))

@@ -18,7 +18,7 @@ import math
 from typing import Any, Callable
 
 from ..errors import CorrnoiseError, check_real
-from .base import PrivacyResult, _annotate, column_norm, method_options, prepare, require_guarantee
+from .base import PrivacyResult, _annotate, column_norm, method_accepts, method_options, prepare, require_guarantee
 
 __all__ = ["calibrate", "calibrate_noise", "DEFAULT_RTOL"]
 
@@ -128,12 +128,12 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
     """
     target = check_real("epsilon", epsilon, low=0.0, low_open=True)
     spec, batching, delta = prepare(strategy, batching, delta, method)
-    opts = method_options(spec, options)
     if spec.calibrate is not None:
         result = spec.calibrate(strategy, batching, target, delta, **method_options(spec, options, calibrating=True))
         require_guarantee(result, "calibrate")
         return _annotate(result.with_extras(target_epsilon=target), strategy, batching)
 
+    opts = method_options(spec, options)
     cache: dict[float, PrivacyResult] = {}
 
     def epsilon_of(noise_std: float) -> float:
@@ -141,7 +141,7 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
         return cache[noise_std].epsilon
 
     start, factor, evaluations = column_norm(strategy), 4.0, 0
-    if "discretization" not in opts and "discretization" in method_options(spec, {"discretization": 1.0}):
+    if "discretization" not in opts and method_accepts(spec, "discretization"):
         # PLD methods: search with a 10x coarser (still pessimistic) discretization, ~10x cheaper,
         # then finish at the requested one from that point in a narrow bracket.
         coarse = dict(opts, discretization=_COARSE_DISCRETIZATION)

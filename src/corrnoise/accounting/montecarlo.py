@@ -968,7 +968,17 @@ class MonteCarloResult:
         return out
 
 
-def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float | None = None,
+def delta_candidate(delta_add: float, delta_remove: float, se_add: float, se_remove: float, samples: int,
+                    tau: float, margin_z: float) -> float:
+    """The delta to verify for delta(eps) by Estimate-Verify-Release (seed 000 Algorithm 1): tau
+    times the larger upper confidence bound delta_hat + z * se of the estimation sample, so that a
+    fresh sample's delta_hat is likely <= candidate / tau (Thm 2.1); at least tau * 3 / samples
+    when no sampled loss exceeded eps.  Chosen from the estimation sample only."""
+    upper = max(delta_add + margin_z * se_add, delta_remove + margin_z * se_remove, 3.0 / samples)
+    return min(tau * upper, 0.5)
+
+
+def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, noise_std: float | None = None,
                           epsilon: float | None = None, verify: bool = True, samples: int | None = None,
                           verify_samples: int | None = None, seed: int | None = None,
                           verify_seed: int | None = None, tau: float = DEFAULT_TAU,
@@ -978,7 +988,7 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
 
     - ``noise_std`` only: eps(delta);
     - ``epsilon`` only: calibrate the noise (Algorithm 2);
-    - both: delta(eps).
+    - both (``delta`` None): delta(eps); verified, delta is :func:`delta_candidate`.
 
     By default (``verify=True``) the estimate / calibration aims at delta / tau with an upper
     confidence bound (``margin_z`` standard errors) and a fresh, independent sample verifies the
@@ -987,7 +997,12 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
     estimate.  Seeds: see :func:`verification_seed` (``seed`` None: OS entropy).
     """
     red = reduce_balls_in_bins(C, bins)
-    delta = _check_delta(delta)
+    given_both = noise_std is not None and epsilon is not None
+    if given_both and delta is not None:
+        raise CorrnoiseError("delta", "give two of noise_std, epsilon and delta (delta(eps) needs no delta)")
+    if delta is None and not given_both:
+        raise CorrnoiseError("delta", "give delta (or noise_std and epsilon for delta(eps))")
+    delta = _check_delta(delta) if delta is not None else None
     seed, explicit = resolve_seed(seed)
     tau = check_real("tau", tau, low=1.0, low_open=True)
     if noise_std is None and epsilon is None:
@@ -995,9 +1010,8 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
     if not verify and (verify_samples is not None or verify_seed is not None):
         raise CorrnoiseError("verify_samples" if verify_samples is not None else "verify_seed",
                              "only applies to a verified result (an estimate is not verified)")
-    target = delta / tau if verify else delta
+    target = None if delta is None else (delta / tau if verify else delta)
     z = margin_z if verify else 0.0
-    given_both = noise_std is not None and epsilon is not None
     extras: dict[str, Any] = {"seed_source": "explicit" if explicit else "os"}
     if noise_std is None:
         epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
@@ -1031,6 +1045,8 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
         return MonteCarloResult(epsilon, reported_delta, noise_std, nm, da, dr, sa, sr, m, red.bins, red.epochs,
                                 seed, None, None, extras)
     extras.update(estimate_delta_add=est[0], estimate_delta_remove=est[1], estimate_samples=est[4])
+    if delta is None:
+        delta = delta_candidate(da, dr, sa, sr, m, tau, z)
     vseed, vsource = verification_seed(seed, explicit, verify_seed)
     ver = release_verified(verify_privacy(red, bins, noise_std, epsilon, delta, verify_samples, vseed, tau, workers,
                                           progress, _reduced=red))
@@ -1081,7 +1097,11 @@ def _single_bin_gaussian(strategy, delta: float, noise_std: float | None = None,
     from .gaussian import account_gaussian, calibrate_gaussian
 
     every_step = NoBatching(Cyclic(int(strategy.n), 1))
-    if epsilon is not None:
+    if epsilon is not None and noise_std is not None:
+        from .gaussian import delta_gaussian
+
+        res = delta_gaussian(strategy, every_step, noise_std, epsilon)
+    elif epsilon is not None:
         res = calibrate_gaussian(strategy, every_step, epsilon, delta)
     else:
         res = account_gaussian(strategy, every_step, noise_std, delta)
@@ -1100,10 +1120,22 @@ def _calibrate_mc(strategy, batching, epsilon: float, delta: float, samples=None
     return _result(res, strategy)
 
 
+def _delta_mc(strategy, batching, noise_std: float, epsilon: float, samples=None, seed=None, progress=False,
+              verify=None, verify_samples=None, tau=None, estimate=None, verify_seed=None):
+    """delta(eps) for balls-in-bins batching: estimate, then verify tau times the upper confidence
+    bound on a fresh sample (:func:`delta_candidate`, seed 000 Thm 2.1)."""
+    opts = _options(samples, seed, progress, verify, verify_samples, tau, estimate, verify_seed)
+    if batching.bins == 1:
+        return _single_bin_gaussian(strategy, None, noise_std=noise_std, epsilon=epsilon)
+    res = account_balls_in_bins(strategy, batching.bins, noise_std=noise_std, epsilon=epsilon, **opts)
+    return _result(res, strategy)
+
+
 def _register() -> None:
     from .base import BallsInBins, register_method
 
     @register_method("mc", batchings=(BallsInBins,), requires_nonnegative=True, calibrate=_calibrate_mc,
+                     delta_of=_delta_mc,
                      description="balls-in-bins Monte Carlo accounting (seed 000), verified by default")
     def account_mc(strategy, batching, noise_std: float, delta: float, samples=None, seed=None, progress=False,
                    verify=None, verify_samples=None, tau=None, estimate=None, verify_seed=None):
