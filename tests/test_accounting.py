@@ -234,8 +234,10 @@ def test_epsilon_decreases_as_noise_grows(which, nu, factor, p):
     else:
         strategy, batching = Identity(n), Poisson(p)
     method = "auto" if which != "rdp" else "rdp"
-    lo = account(strategy, batching, noise_std=nu, delta=1e-5, method=method, discretization=1e-3).epsilon
-    hi = account(strategy, batching, noise_std=nu * factor, delta=1e-5, method=method, discretization=1e-3).epsilon
+    # only the PLD-based methods take a discretization (an option a method lacks is refused, issue #9)
+    opts = {"discretization": 1e-3} if which in ("pld", "bandmf") else {}
+    lo = account(strategy, batching, noise_std=nu, delta=1e-5, method=method, **opts).epsilon
+    hi = account(strategy, batching, noise_std=nu * factor, delta=1e-5, method=method, **opts).epsilon
     assert hi <= lo
     if lo > 1e-3:
         assert hi < lo
@@ -366,8 +368,12 @@ def test_registry_plugs_in_methods_checks_nonnegativity_and_filters_options(monk
     register_method("fake-nonneg", batchings=(Poisson,), requires_nonnegative=True)(fake)
     try:
         r = account(BandedSqrt(20, 3), Poisson(0.1), noise_std=2.0, delta=1e-5, method="fake-nonneg",
-                    samples=100, seed=7, progress=False, accountant="pld")
+                    samples=100, seed=7, progress=False)
         assert r.epsilon == 0.5 and seen == {"samples": 100, "seed": 7}
+        # an option the method does not take is refused, never dropped (issue #9)
+        with pytest.raises(CorrnoiseError) as err:
+            account(BandedSqrt(20, 3), Poisson(0.1), noise_std=2.0, delta=1e-5, method="fake-nonneg", accountant="pld")
+        assert err.value.param == "accountant" and "\n" not in str(err.value)
         assert r.extras["batching"] == "poisson:0.1"
         negative = Banded(np.array([[1.0, -0.5]] * 20))
         with pytest.raises(CorrnoiseError) as err:

@@ -81,8 +81,12 @@ def _mean_error(strategy) -> float:
 
 def _calibrated(strategy, batching, epsilon, delta):
     from .accounting import calibrate
+    from .accounting.base import method_accepts, prepare, require_guarantee
 
-    return calibrate(strategy, batching, epsilon=epsilon, delta=delta, discretization=PLAN_DISCRETIZATION)
+    spec = prepare(strategy, batching, delta)[0]
+    # the coarser PLD grid where the method has one (options a method lacks are refused)
+    opts = {"discretization": PLAN_DISCRETIZATION} if method_accepts(spec, "discretization") else {}
+    return require_guarantee(calibrate(strategy, batching, epsilon=epsilon, delta=delta, **opts), "train")
 
 
 def _plan_one(name: str, num_examples: int, batch_size: int, epochs: float, epsilon: float, delta: float,

@@ -50,6 +50,8 @@ __all__ = [
     "BallsInBins",
     "parse_batching",
     "PrivacyResult",
+    "RESULT_KINDS",
+    "require_guarantee",
     "MethodSpec",
     "register_method",
     "get_method",
@@ -200,12 +202,19 @@ def parse_batching(spec: Any, participation: Participation | str | None = None) 
 # ----------------------------------------------------------------------------------------------
 # Results
 # ----------------------------------------------------------------------------------------------
+#: What a :class:`PrivacyResult` is: a formal (epsilon, delta) ``guarantee``; an informal Monte
+#: Carlo ``estimate`` (seed 000 Sec. 2, unverified); a ``lower_bound`` on epsilon (MMCC with
+#: p~ = p, seed 001), which shows how tight an analysis is but guarantees nothing.
+RESULT_KINDS = ("guarantee", "estimate", "lower_bound")
+
+
 @dataclass(frozen=True)
 class PrivacyResult:
-    """What an accounting method proved: the mechanism with ``noise_std`` is (epsilon, delta)-DP.
+    """What an accounting method found for the mechanism with ``noise_std``: (epsilon, delta) and
+    its ``kind`` (:data:`RESULT_KINDS`) -- only a ``"guarantee"`` proves (epsilon, delta)-DP.
 
     ``extras`` carries method-specific, JSON-able scalars (``gdp_mu``, ``steps``, ``std_error``,
-    ``verified`` ...); :meth:`to_dict` flattens them after the five core fields.
+    ``verified`` ...); :meth:`to_dict` flattens them after the core fields.
     """
 
     epsilon: float
@@ -214,6 +223,11 @@ class PrivacyResult:
     noise_multiplier: float
     method: str
     extras: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    kind: str = "guarantee"
+
+    def __post_init__(self):
+        if self.kind not in RESULT_KINDS:
+            raise CorrnoiseError("kind", f"must be one of {', '.join(RESULT_KINDS)}, got {self.kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -222,6 +236,7 @@ class PrivacyResult:
             "noise_std": float(self.noise_std),
             "noise_multiplier": float(self.noise_multiplier),
             "method": self.method,
+            "kind": self.kind,
         }
         for key, value in self.extras.items():
             if key not in out:
@@ -231,7 +246,22 @@ class PrivacyResult:
     def with_extras(self, **extras: Any) -> "PrivacyResult":
         """A copy with more extras (later keys win)."""
         return PrivacyResult(self.epsilon, self.delta, self.noise_std, self.noise_multiplier, self.method,
-                             {**self.extras, **extras})
+                             {**self.extras, **extras}, self.kind)
+
+
+def require_guarantee(result: PrivacyResult, use: str) -> PrivacyResult:
+    """``result`` if it is a formal guarantee, else a one-line CorrnoiseError: noise that is
+    calibrated, trained with or reported as spent must rest on a proof, never on an unverified
+    Monte Carlo estimate (seed 000 Thm 2.1: only a verified estimate may be released) or on a
+    lower bound.  ``use`` says what needed it (``calibrate``, ``training`` ...)."""
+    if result.kind == "guarantee":
+        return result
+    fix = ("drop estimate=True (Monte Carlo results are verified by default)" if result.kind == "estimate"
+           else "drop lower_bound=True")
+    param = "estimate" if result.kind == "estimate" else "lower_bound"
+    raise CorrnoiseError(param, f"{use} needs a formal (epsilon, delta) guarantee, but {result.method} gave "
+                         f"{'an' if result.kind == 'estimate' else 'a'} {result.kind.replace('_', ' ')} "
+                         f"(epsilon {result.epsilon:.4g}); {fix}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +285,7 @@ class MethodSpec:
     calibrate: CalibrateFn | None = None
     options: tuple[str, ...] = ()
     description: str = ""
+    delta_of: Callable[..., PrivacyResult] | None = None
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -279,6 +310,7 @@ def register_method(
     calibrate: CalibrateFn | None = None,
     options: tuple[str, ...] = (),
     description: str = "",
+    delta_of: Callable[..., PrivacyResult] | None = None,
 ) -> Callable[[AccountFn], AccountFn]:
     """Decorator registering ``fn(strategy, batching, noise_std, delta, **options)`` as ``name``.
 
@@ -302,6 +334,7 @@ def register_method(
             calibrate=calibrate,
             options=tuple(options),
             description=description or _first_line(fn.__doc__),
+            delta_of=delta_of,
         )
         return fn
 
@@ -428,24 +461,57 @@ def prepare(strategy, batching, delta, method: str = "auto") -> tuple[MethodSpec
 _BATCHING_NAMES = {NoBatching: "none", Poisson: "poisson", BlockCyclic: "block-cyclic", BallsInBins: "balls-in-bins"}
 
 
-def accepted_options(fn: Callable[..., Any], options: dict[str, Any], extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The set (non-None) ``options`` that ``fn`` accepts: its keyword parameters, everything if it
-    takes ``**kwargs``, plus the names in ``extra``.  One command line thus serves all methods
-    (``--samples`` is simply not passed to ``pld``)."""
+#: Options that only steer the display: a method that does not take them just shows no progress.
+DISPLAY_OPTIONS = ("progress",)
+#: The positional inputs of account / calibrate functions: never options.
+_INPUTS = ("strategy", "batching", "noise_std", "delta", "epsilon")
+
+
+def _option_names(fn: Callable[..., Any], extra: tuple[str, ...] = ()) -> set[str] | None:
+    """The option names ``fn`` takes (its keyword parameters other than the inputs, plus
+    ``extra``), or None if it takes ``**kwargs`` (anything)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins
         params = {}
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
     names = {name for name, p in params.items()
              if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
-    return {k: v for k, v in options.items() if v is not None and (takes_all or k in names or k in extra)}
+    return (names - set(_INPUTS)) | set(extra)
+
+
+def accepted_options(fn: Callable[..., Any], options: dict[str, Any], extra: tuple[str, ...] = (),
+                     method: str = "this method") -> dict[str, Any]:
+    """The set (non-None) ``options`` for ``fn``.  An option ``fn`` does not take raises a one-line
+    CorrnoiseError naming it -- an option dropped silently (a misspelt ``discretisation``, a
+    ``verify`` the method cannot honour) would change what is proved without saying so.  Only the
+    display options (:data:`DISPLAY_OPTIONS`) are dropped where unsupported."""
+    names = _option_names(fn, extra)
+    out = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        if names is None or key in names:
+            out[key] = value
+        elif key not in DISPLAY_OPTIONS:
+            known = ", ".join(sorted(names)) or "none"
+            raise CorrnoiseError(key, f"is not an option of accounting method {method} (its options: {known})")
+    return out
+
+
+def method_accepts(spec: MethodSpec, name: str, calibrating: bool = False) -> bool:
+    """Whether ``spec``'s account (or native calibrate) function takes option ``name``."""
+    fn = spec.calibrate if calibrating and spec.calibrate is not None else spec.account
+    names = _option_names(fn, spec.options)
+    return names is None or name in names
 
 
 def method_options(spec: MethodSpec, options: dict[str, Any], calibrating: bool = False) -> dict[str, Any]:
-    """The options ``spec``'s account (or native calibrate) function accepts, unset ones dropped."""
+    """The options for ``spec``'s account (or native calibrate) function, unset ones dropped; an
+    unsupported one raises (:func:`accepted_options`)."""
     fn = spec.calibrate if calibrating and spec.calibrate is not None else spec.account
-    return accepted_options(fn, options, spec.options)
+    return accepted_options(fn, options, spec.options, spec.name)
 
 
 def resolve_noise_std(strategy, noise_std: Any = None, noise_multiplier: Any = None) -> float:
@@ -458,13 +524,22 @@ def resolve_noise_std(strategy, noise_std: Any = None, noise_multiplier: Any = N
     return sigma * column_norm(strategy)
 
 
-def account(strategy, batching, *, delta, noise_std=None, noise_multiplier=None, method: str = "auto",
-            **options: Any) -> PrivacyResult:
+def account(strategy, batching, *, delta=None, noise_std=None, noise_multiplier=None, epsilon=None,
+            method: str = "auto", **options: Any) -> PrivacyResult:
     """(epsilon, delta) of ``strategy`` under ``batching`` with the given noise (one of
-    ``noise_std`` or ``noise_multiplier``), by ``method`` (``auto`` picks as :func:`choose_method`).
+    ``noise_std`` or ``noise_multiplier``), by ``method`` (``auto`` picks as :func:`choose_method`):
+    epsilon(delta) given ``delta``, or delta(epsilon) given ``epsilon`` (:func:`.delta.account_delta`).
 
-    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to methods that accept them.
+    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to the method; one it does not
+    take raises, naming it.
     """
+    if (delta is None) == (epsilon is None):
+        raise CorrnoiseError("delta", "give exactly one of delta (for epsilon(delta)) and epsilon (for delta(epsilon))")
+    if epsilon is not None:
+        from .delta import account_delta
+
+        return account_delta(strategy, batching, epsilon=epsilon, noise_std=noise_std,
+                             noise_multiplier=noise_multiplier, method=method, **options)
     nu = resolve_noise_std(strategy, noise_std, noise_multiplier)
     spec, batching, delta = prepare(strategy, batching, delta, method)
     result = spec.account(strategy, batching, nu, delta, **method_options(spec, options))
@@ -476,4 +551,5 @@ def account(strategy, batching, *, delta, noise_std=None, noise_multiplier=None,
 def _annotate(result: PrivacyResult, strategy, batching: Batching) -> PrivacyResult:
     context = {"mechanism": strategy.label, "n": int(strategy.n), "batching": batching.spec}
     return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, result.method,
-                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}})
+                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}},
+                         result.kind)

@@ -18,7 +18,7 @@ import math
 from typing import Any, Callable
 
 from ..errors import CorrnoiseError, check_real
-from .base import PrivacyResult, _annotate, column_norm, method_options, prepare
+from .base import PrivacyResult, _annotate, column_norm, method_accepts, method_options, prepare, require_guarantee
 
 __all__ = ["calibrate", "calibrate_noise", "DEFAULT_RTOL"]
 
@@ -123,14 +123,17 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
     Uses the method's native calibration when it has one, else :func:`calibrate_noise` on its
     ``account`` function.  The result is the accounting at the returned noise (its ``epsilon``
     is <= the target) with ``target_epsilon`` and ``calibration_evaluations`` in ``extras``.
+    Only a formal guarantee sizes noise: an estimate or a lower bound raises
+    (:func:`~corrnoise.accounting.base.require_guarantee`).
     """
     target = check_real("epsilon", epsilon, low=0.0, low_open=True)
     spec, batching, delta = prepare(strategy, batching, delta, method)
-    opts = method_options(spec, options)
     if spec.calibrate is not None:
         result = spec.calibrate(strategy, batching, target, delta, **method_options(spec, options, calibrating=True))
+        require_guarantee(result, "calibrate")
         return _annotate(result.with_extras(target_epsilon=target), strategy, batching)
 
+    opts = method_options(spec, options)
     cache: dict[float, PrivacyResult] = {}
 
     def epsilon_of(noise_std: float) -> float:
@@ -138,7 +141,7 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
         return cache[noise_std].epsilon
 
     start, factor, evaluations = column_norm(strategy), 4.0, 0
-    if "discretization" not in opts and "discretization" in method_options(spec, {"discretization": 1.0}):
+    if "discretization" not in opts and method_accepts(spec, "discretization"):
         # PLD methods: search with a 10x coarser (still pessimistic) discretization, ~10x cheaper,
         # then finish at the requested one from that point in a narrow bracket.
         coarse = dict(opts, discretization=_COARSE_DISCRETIZATION)
@@ -146,6 +149,7 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
             lambda nu: spec.account(strategy, batching, nu, delta, **coarse).epsilon, target, start, rtol=rtol)
         factor = 1.0 + 4.0 * rtol
     noise_std, _, fine = calibrate_noise(epsilon_of, target, start=start, rtol=rtol, factor=factor)
+    require_guarantee(cache[noise_std], "calibrate")
     result = cache[noise_std].with_extras(target_epsilon=target, calibration_evaluations=evaluations + fine,
                                           calibration_rtol=rtol)
     return _annotate(result, strategy, batching)

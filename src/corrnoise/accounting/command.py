@@ -1,12 +1,15 @@
 """``corrnoise account`` (DESIGN.md "Command-line contract").
 
-    corrnoise account MECHANISM --n N --batching SPEC (--sigma S | --noise-std NU | --epsilon E)
-        --delta D [--participation ...] [--method auto|gaussian|pld|rdp|bandmf|mmcc|mc]
-        [--samples S] [--seed S] [--verify] [--lower-bound] [--json]
+    corrnoise account MECHANISM --n N --batching SPEC  two of (--sigma S | --noise-std NU), --epsilon E,
+        --delta D  [--participation ...] [--method auto|gaussian|pld|rdp|bandmf|mmcc|mc]
+        [--samples S] [--verify-samples S] [--seed S] [--estimate] [--lower-bound] [--json]
 
 prints ``epsilon, delta, noise_std, noise_multiplier, method`` and the method's extras
 (``gdp_mu`` when unamplified; ``delta_add, delta_remove, std_error_*, samples, verified`` for
-Monte Carlo).  With ``--epsilon`` the noise is calibrated (smallest noise_std reaching it).
+Monte Carlo) and the result's ``kind`` (guarantee, estimate, lower_bound).  Noise and ``--delta``:
+epsilon(delta); ``--epsilon`` and ``--delta``: the noise is calibrated (smallest noise_std reaching
+it); noise and ``--epsilon``: delta(epsilon).  Monte Carlo results are verified guarantees unless
+``--estimate`` asks for an informal estimate.
 """
 
 from __future__ import annotations
@@ -44,20 +47,28 @@ def _jsonable(data: dict) -> dict:
               help="Standard deviation nu of each entry of Z, in clip-norm units.")
 @click.option("--epsilon", "epsilon", type=float, default=None,
               help="Target epsilon: calibrate the smallest noise reaching it.")
-@click.option("--delta", "delta", type=float, required=True, help="Target delta, in (0, 1).")
+@click.option("--delta", "delta", type=float, default=None,
+              help="Target delta, in (0, 1). Leave out with a noise and --epsilon to report delta(epsilon).")
 @click.option("--method", type=click.Choice(METHOD_CHOICES), default="auto", show_default=True,
               help="Accounting method (auto picks by batching and mechanism).")
-@click.option("--samples", type=int, default=None, help="Monte Carlo samples (method mc).")
-@click.option("--seed", type=int, default=None, help="Random seed (Monte Carlo methods).")
+@click.option("--samples", type=int, default=None, help="Monte Carlo estimation samples (method mc).")
+@click.option("--verify-samples", "verify_samples", type=int, default=None,
+              help="Monte Carlo verification samples (default: enough for failure probability 1e-3 * delta).")
+@click.option("--seed", type=int, default=None,
+              help="Monte Carlo seed, for reproducible experiments only (retrying with one seed re-uses its "
+                   "verification sample and voids the failure probability). Default: fresh OS entropy, recorded "
+                   "in the output.")
 @click.option("--verify", is_flag=True, default=False,
-              help="Monte Carlo: formally verify with fresh samples (Estimate-Verify-Release).")
+              help="Monte Carlo: formally verify with fresh samples (Estimate-Verify-Release; the default).")
+@click.option("--estimate", is_flag=True, default=False,
+              help="Monte Carlo: report an informal, unverified estimate (kind 'estimate'; cannot size noise).")
 @click.option("--lower-bound", "lower_bound", is_flag=True, default=False,
               help="MMCC: report the lower bound (p_tilde = p) that shows how tight MMCC is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account_command(mechanism: str, n: int, batching: str, participation: str | None, sigma: float | None,
                     noise_std: float | None, epsilon: float | None, delta: float, method: str,
-                    samples: int | None, seed: int | None, verify: bool, lower_bound: bool,
-                    as_json: bool) -> None:
+                    samples: int | None, verify_samples: int | None, seed: int | None, verify: bool,
+                    estimate: bool, lower_bound: bool, as_json: bool) -> None:
     """(epsilon, delta) of MECHANISM for a noise level, or the noise for a target epsilon."""
     from ..strategies import parse_strategy
     from . import account, calibrate, parse_batching
@@ -65,26 +76,34 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
 
     if n < 1:
         raise CorrnoiseError("n", f"must be >= 1, got {n}")
-    given = [name for name, value in (("--sigma", sigma), ("--noise-std", noise_std), ("--epsilon", epsilon))
-             if value is not None]
-    if len(given) != 1:
-        raise CorrnoiseError("noise", "give exactly one of --sigma, --noise-std or --epsilon"
+    noises = [name for name, value in (("--sigma", sigma), ("--noise-std", noise_std)) if value is not None]
+    if len(noises) > 1:
+        raise CorrnoiseError("noise", f"give at most one of --sigma and --noise-std (got {' and '.join(noises)})")
+    given = noises + [name for name, value in (("--epsilon", epsilon), ("--delta", delta)) if value is not None]
+    if len(given) != 2:
+        raise CorrnoiseError("noise", "give two of a noise (--sigma or --noise-std), --epsilon and --delta"
                              + (f" (got {' and '.join(given)})" if given else ""))
-    if samples is not None and samples < 1:
-        raise CorrnoiseError("samples", f"must be >= 1, got {samples}")
+    for name, value in (("samples", samples), ("verify_samples", verify_samples)):
+        if value is not None and value < 1:
+            raise CorrnoiseError(name, f"must be >= 1, got {value}")
     spec = parse_batching(batching, participation)
     strategy = parse_strategy(mechanism, n)
     options = {"samples": samples, "seed": seed, "progress": (not as_json) and sys.stderr.isatty(),
-               "verify": True if verify else None, "lower_bound": True if lower_bound else None}
+               "verify": True if verify else None, "lower_bound": True if lower_bound else None,
+               "estimate": True if estimate else None, "verify_samples": verify_samples}
     chosen = choose_method(strategy, spec) if method == "auto" else method
-    for flag, name, methods in (("--verify", "verify", ("mc",)), ("--lower-bound", "lower_bound", ("mmcc",))):
+    for flag, name, methods in (("--verify", "verify", ("mc",)), ("--lower-bound", "lower_bound", ("mmcc",)),
+                                ("--estimate", "estimate", ("mc",)), ("--verify-samples", "verify_samples", ("mc",))):
         if options[name] and chosen not in methods:  # never drop a requested guarantee silently
             raise CorrnoiseError(name, f"{flag} applies to --method {'/'.join(methods)} only "
                                        f"(this mechanism and batching use {chosen})")
     if lower_bound and epsilon is not None:  # a lower bound on epsilon cannot size the noise
         raise CorrnoiseError("lower_bound", "--lower-bound reports how tight MMCC is for a given noise; "
                                             "calibrating noise to it would give no guarantee (use --sigma/--noise-std)")
-    if epsilon is not None:
+    if noises and epsilon is not None:  # delta(epsilon) at this noise
+        result = account(strategy, spec, epsilon=epsilon, noise_std=noise_std, noise_multiplier=sigma,
+                         method=method, **options)
+    elif epsilon is not None:
         result = calibrate(strategy, spec, epsilon=epsilon, delta=delta, method=method, **options)
     else:
         result = account(strategy, spec, delta=delta, noise_std=noise_std, noise_multiplier=sigma,

@@ -20,7 +20,8 @@ import math
 from ..errors import CorrnoiseError, check_int, check_real
 from .base import BlockCyclic, Poisson, PrivacyResult, register_method
 
-__all__ = ["ACCOUNTANTS", "DEFAULT_DISCRETIZATION", "dpsgd_event", "dpsgd_epsilon", "account_pld", "account_rdp"]
+__all__ = ["ACCOUNTANTS", "DEFAULT_DISCRETIZATION", "dpsgd_event", "dpsgd_epsilon", "event_epsilon", "account_pld",
+           "account_rdp"]
 
 ACCOUNTANTS = ("pld", "rdp")
 #: dp_accounting's PLD value discretization interval (its default): pessimistic, ~1e-4 in epsilon.
@@ -67,16 +68,24 @@ def dpsgd_epsilon(
     exactly sqrt(steps)/sigma-GDP (tutorial Lemma 3.19) and the exact GDP profile is used instead.
     ``accountant="rdp"``: dp_accounting ``RdpAccountant`` with its default orders.
     """
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    event = dpsgd_event(noise_multiplier, sampling_probability, steps)
+    if accountant == "pld" and sampling_probability == 1.0:
+        from .gaussian import gaussian_epsilon
+
+        return gaussian_epsilon(delta, math.sqrt(steps) / noise_multiplier)
+    return event_epsilon(event, delta, accountant, discretization)
+
+
+def event_epsilon(event, delta: float, accountant: str = "pld",
+                  discretization: float = DEFAULT_DISCRETIZATION) -> float:
+    """epsilon at ``delta`` of a dp_accounting ``event`` (add/remove adjacency) by the PLD
+    accountant (pessimistic, ``value_discretization_interval=discretization``) or the RDP one."""
     import dp_accounting
     from dp_accounting import pld, rdp
 
     delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
-    event = dpsgd_event(noise_multiplier, sampling_probability, steps)
     if accountant == "pld":
-        if sampling_probability == 1.0:
-            from .gaussian import gaussian_epsilon
-
-            return gaussian_epsilon(delta, math.sqrt(steps) / noise_multiplier)
         discretization = check_real("discretization", discretization, low=0.0, low_open=True)
         acc = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
                                 value_discretization_interval=discretization)
@@ -97,7 +106,7 @@ def _account_dpsgd(strategy, batching, noise_std, delta, accountant, discretizat
         result = account_bandmf(strategy, batching, noise_std, delta, accountant=accountant,
                                 discretization=discretization)
         return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, accountant,
-                             result.extras)
+                             result.extras, result.kind)
     if strategy.bands > 1:
         raise CorrnoiseError(
             "method",

@@ -114,7 +114,18 @@ def calibrate_gaussian(strategy, batching: NoBatching, epsilon: float, delta: fl
     return _result(strategy, batching, sens, mu, noise_std, delta, target_epsilon=float(epsilon))
 
 
-@register_method("gaussian", batchings=(NoBatching,), calibrate=calibrate_gaussian,
+def delta_gaussian(strategy, batching: NoBatching, noise_std: float, epsilon: float) -> PrivacyResult:
+    """delta(epsilon) exactly: the GDP profile (GDP-profile above) at mu = sens(C, Pi) / noise_std."""
+    from ..losses import mechanism_sensitivity
+
+    sens = mechanism_sensitivity(strategy, batching.participation)
+    mu = sens.value / noise_std
+    res = _result(strategy, batching, sens, mu, noise_std, 0.5)
+    return PrivacyResult(float(epsilon), gaussian_delta(epsilon, mu), noise_std, res.noise_multiplier, "gaussian",
+                         res.extras)
+
+
+@register_method("gaussian", batchings=(NoBatching,), calibrate=calibrate_gaussian, delta_of=delta_gaussian,
                  description="exact Gaussian mechanism / mu-GDP, no amplification")
 def account_gaussian(strategy, batching: NoBatching, noise_std: float, delta: float) -> PrivacyResult:
     """Unamplified: mu = sens(C, Pi) / noise_std, epsilon from the exact GDP profile."""

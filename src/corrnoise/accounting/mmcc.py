@@ -940,7 +940,8 @@ def mmcc_epsilon(
         "seconds": time.perf_counter() - started,
     }
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
-    return PrivacyResult(float(eps), delta, noise_std, noise_std / col, "mmcc-lower" if lower_bound else "mmcc", extras)
+    return PrivacyResult(float(eps), delta, noise_std, noise_std / col, "mmcc-lower" if lower_bound else "mmcc", extras,
+                         kind="lower_bound" if lower_bound else "guarantee")
 
 
 def mmcc_delta(

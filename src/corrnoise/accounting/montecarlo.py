@@ -33,15 +33,24 @@ bin j mod b).  The estimator stays unbiased with no larger variance, and App. E'
 goes through unchanged: Bernstein's inequality holds for independent, not identically distributed
 terms in [0, 1], and Bhatia-Davis bounds the average variance by the mean.
 
-**Reproducibility.**  Samples come in chunks; chunk k of stream s is drawn from
+**Randomness and reproducibility.**  Samples come in chunks; chunk k of stream s is drawn from
 ``SeedSequence(seed, spawn_key=(s, k))``, so results do not depend on how chunks are scheduled on
-threads.  Streams: 0 estimation, 1 verification (fresh, independent), 2/3 calibration.
+threads.  Streams: 0 estimation, 1 verification, 2/3 calibration.  Without an explicit ``seed``
+the seed is 128 bits from the OS (:func:`fresh_entropy`), and every verification draws its own
+fresh 128 bits, independent of everything that chose the candidate noise (seed 000 Thm 2.1 needs
+the verifying sample independent of the candidate; a sample reused across retries would let
+"retry until it verifies" select on it).  Results record the seeds used (``seed``,
+``verify_seed``), so a run can be reproduced on request.  An explicit ``seed`` is for
+reproducible experiments only: its verification stream is derived from it, so retrying other
+targets or sample counts with the same seed re-uses one verification sample and voids the stated
+failure probability.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -73,6 +82,10 @@ __all__ = [
     "DEFAULT_CALIBRATION_SAMPLES",
     "DEFAULT_TAU",
     "DEFAULT_PRE_VERIFY_SAMPLES",
+    "fresh_entropy",
+    "resolve_seed",
+    "verification_seed",
+    "release_verified",
 ]
 
 #: Samples for an (informal) estimate of delta(eps) or eps(delta).
@@ -136,6 +149,37 @@ def _check_delta(delta: Any) -> float:
 
 def _check_epsilon(epsilon: Any) -> float:
     return check_real("epsilon", epsilon, low=0.0)
+
+
+def fresh_entropy() -> int:
+    """128 bits of OS randomness (``secrets``) seeding a Monte Carlo sample: the default whenever no
+    seed is given, so no two runs share a sample unless asked to (seed 000 Thm 2.1, 2.2 hold for
+    one sample drawn independently of the candidate being verified)."""
+    return secrets.randbits(128)
+
+
+def resolve_seed(seed: Any, name: str = "seed") -> tuple[int, bool]:
+    """(seed, explicit): ``seed`` checked, or :func:`fresh_entropy` when it is None."""
+    if seed is None:
+        return fresh_entropy(), False
+    return check_int(name, seed, minimum=0), True
+
+
+def verification_seed(seed: int, explicit: bool, verify_seed: Any = None) -> tuple[int, str]:
+    """Seed of the verification sample of Estimate-Verify-Release (seed 000 Algorithm 1, Thm 2.1),
+    and where it came from (``"given"``, ``"derived"``, ``"os"``).
+
+    Thm 2.1 needs the verifying sample independent of everything that chose the candidate noise:
+    without an explicit seed it is fresh OS entropy, never derived from the estimation seed.  An
+    explicit ``verify_seed`` reproduces a recorded run.  With only an explicit ``seed`` the
+    verification uses its own stream (1) of that seed -- reproducible, but a retry with the same
+    seed re-uses the verification sample, voiding the failure probability (experiments only).
+    """
+    if verify_seed is not None:
+        return check_int("verify_seed", verify_seed, minimum=0), "given"
+    if explicit:
+        return seed, "derived"
+    return fresh_entropy(), "os"
 
 
 def _check_samples(samples: Any, bins: int, name: str = "samples") -> int:
@@ -446,6 +490,7 @@ class DeltaEstimate:
     std_error_add: float
     std_error_remove: float
     samples: int
+    seed: int | None = None  # the sample's seed (OS entropy unless one was given)
 
     @property
     def delta(self) -> float:
@@ -525,7 +570,7 @@ def _delta_moments(red: ReducedPair, noise_std: float, epsilon: float, samples: 
 
 
 def estimate_delta(C: Any, bins: int, noise_std: float, epsilon: float, samples: int = DEFAULT_SAMPLES,
-                   seed: int = 0, workers: int | None = None, progress: bool = False,
+                   seed: int | None = None, workers: int | None = None, progress: bool = False,
                    _reduced: ReducedPair | None = None, _stream: int = _STREAM_ESTIMATE) -> DeltaEstimate:
     """Monte Carlo estimate of delta(eps) = E[(1 - e^(eps - Y))_+] (seed 000 Sec. 2) under the
     dominating pairs of Lemma 3.2, add and remove adjacency, with standard errors."""
@@ -533,10 +578,10 @@ def estimate_delta(C: Any, bins: int, noise_std: float, epsilon: float, samples:
     noise_std = _check_noise(noise_std)
     epsilon = _check_epsilon(epsilon)
     samples = _check_samples(samples, red.bins)
-    seed = check_int("seed", seed, minimum=0)
+    seed, _ = resolve_seed(seed)
     mom = _delta_moments(red, noise_std, epsilon, samples, seed, _stream, workers, progress)
     (da, sa), (dr, sr) = mom.add(), mom.remove()
-    return DeltaEstimate(epsilon, noise_std, da, dr, sa, sr, samples)
+    return DeltaEstimate(epsilon, noise_std, da, dr, sa, sr, samples, seed)
 
 
 @dataclass(frozen=True)
@@ -555,6 +600,7 @@ class EpsilonEstimate:
     std_error_add: float
     std_error_remove: float
     samples: int
+    seed: int | None = None
 
 
 class _Tail:
@@ -619,7 +665,7 @@ def _tail(red: ReducedPair, noise_std: float, samples: int, seed: int, stream: i
 
 
 def estimate_epsilon(C: Any, bins: int, noise_std: float, delta: float, samples: int = DEFAULT_SAMPLES,
-                     seed: int = 0, workers: int | None = None, progress: bool = False,
+                     seed: int | None = None, workers: int | None = None, progress: bool = False,
                      _reduced: ReducedPair | None = None) -> EpsilonEstimate:
     """Monte Carlo estimate of eps(delta) (inverse of Sec. 2's delta(eps) on one sample), the
     larger of the add and remove adjacencies (seed 000 Sec. 3: the worse of the two)."""
@@ -627,13 +673,13 @@ def estimate_epsilon(C: Any, bins: int, noise_std: float, delta: float, samples:
     noise_std = _check_noise(noise_std)
     delta = _check_delta(delta)
     samples = _check_samples(samples, red.bins)
-    seed = check_int("seed", seed, minimum=0)
+    seed, _ = resolve_seed(seed)
     tail = _tail(red, noise_std, samples, seed, _STREAM_ESTIMATE, workers, progress)
     ea, er, ese = tail.solve(delta)
     eps = max(ea, er)
     mom = tail.moments(eps)
     (da, sa), (dr, sr) = mom.add(), mom.remove()
-    return EpsilonEstimate(eps, ea, er, ese, delta, noise_std, da, dr, sa, sr, samples)
+    return EpsilonEstimate(eps, ea, er, ese, delta, noise_std, da, dr, sa, sr, samples, seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -653,6 +699,7 @@ class Calibration:
     std_error_remove: float
     samples: int
     evaluations: int
+    seed: int | None = None
 
 
 class _Kept:
@@ -723,7 +770,7 @@ def _unamplified_noise(red: ReducedPair, epsilon: float, delta: float) -> float:
 
 
 def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
-                        samples: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0, margin_z: float = 0.0,
+                        samples: int = DEFAULT_CALIBRATION_SAMPLES, seed: int | None = None, margin_z: float = 0.0,
                         rtol: float = 1e-4, workers: int | None = None, progress: bool = False,
                         _reduced: ReducedPair | None = None) -> Calibration:
     """Seed 000 Algorithm 2: the noise_std nu* with max_adj delta_hat(nu*) (+ margin_z * se) = delta,
@@ -738,7 +785,7 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
     epsilon = _check_epsilon(epsilon)
     delta = _check_delta(delta)
     samples = _check_samples(samples, red.bins)
-    seed = check_int("seed", seed, minimum=0)
+    seed, _ = resolve_seed(seed)
     margin_z = check_real("margin_z", margin_z, low=0.0)
     b = red.bins
     evaluations = 0
@@ -788,7 +835,7 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
         nu = _bisect(excess(kept), lo, hi, rtol)[0] if lo < hi else hi
     obj, mom = kept.objective(red, nu, epsilon, margin_z)
     (da, sa), (dr, sr) = mom.add(), mom.remove()
-    return Calibration(nu, epsilon, delta, margin_z, da, dr, sa, sr, samples, evaluations)
+    return Calibration(nu, epsilon, delta, margin_z, da, dr, sa, sr, samples, evaluations, seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -837,14 +884,17 @@ class Verification:
     samples: int
     failure_probability: float
     verified: bool
+    seed: int | None = None  # the verification sample's seed (fresh OS entropy unless given)
 
 
 def verify_privacy(C: Any, bins: int, noise_std: float, epsilon: float, delta: float,
-                   samples: int | None = None, seed: int = 0, tau: float = DEFAULT_TAU,
+                   samples: int | None = None, seed: int | None = None, tau: float = DEFAULT_TAU,
                    workers: int | None = None, progress: bool = False,
                    _reduced: ReducedPair | None = None) -> Verification:
-    """Verify (epsilon, delta)-DP at ``noise_std`` with a fresh, independent sample (stream 1):
-    estimate delta_hat for both adjacencies and check delta_hat <= delta / tau (Thm 2.1)."""
+    """Verify (epsilon, delta)-DP at ``noise_std`` with a fresh, independent sample (stream 1 of
+    ``seed``; without a seed, 128 fresh bits from the OS): estimate delta_hat for both adjacencies
+    and check delta_hat <= delta / tau (Thm 2.1).  Only the flag is returned: releasing is
+    :func:`release_verified`'s job."""
     red = _reduced if _reduced is not None else reduce_balls_in_bins(C, bins)
     noise_std = _check_noise(noise_std)
     epsilon = _check_epsilon(epsilon)
@@ -852,14 +902,32 @@ def verify_privacy(C: Any, bins: int, noise_std: float, epsilon: float, delta: f
     tau = check_real("tau", tau, low=1.0, low_open=True)
     samples = verification_samples(delta, tau) if samples is None else samples
     samples = _check_samples(samples, red.bins)
-    seed = check_int("seed", seed, minimum=0)
+    seed, _ = resolve_seed(seed)
     threshold = delta / tau
     fp = min(1.0, 2.0 * failure_probability(samples, threshold, tau))
     mom = _delta_moments(red, noise_std, epsilon, samples, seed, _STREAM_VERIFY, workers, progress,
                          "verifying")
     (da, sa), (dr, sr) = mom.add(), mom.remove()
     ok = bool(da <= threshold and dr <= threshold and fp <= delta)
-    return Verification(epsilon, delta, noise_std, tau, threshold, da, dr, sa, sr, samples, fp, ok)
+    return Verification(epsilon, delta, noise_std, tau, threshold, da, dr, sa, sr, samples, fp, ok, seed)
+
+
+def release_verified(ver: Verification) -> Verification:
+    """The Release step of Estimate-Verify-Release (seed 000 Algorithm 1, Thm 2.1): a candidate
+    whose fresh-sample verification failed is never released -- one-line CorrnoiseError naming
+    ``verify`` (increase the noise, the samples, or delta)."""
+    if ver.verified:
+        return ver
+    why = []
+    if max(ver.delta_add, ver.delta_remove) > ver.threshold:
+        why.append(f"fresh-sample delta_hat (add {ver.delta_add:.3g}, remove {ver.delta_remove:.3g}) exceeds "
+                   f"delta / tau = {ver.threshold:.3g}")
+    if ver.failure_probability > ver.delta:
+        why.append(f"{ver.samples} verification samples give failure probability {ver.failure_probability:.3g} "
+                   f"> delta = {ver.delta:g} (Thm 2.2)")
+    raise CorrnoiseError("verify", f"Monte Carlo verification of ({ver.epsilon:g}, {ver.delta:g})-DP at noise_std "
+                         f"{ver.noise_std:.6g} failed ({'; '.join(why)}); nothing is released: increase the noise "
+                         "or the (verification) samples")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -869,9 +937,11 @@ def verify_privacy(C: Any, bins: int, noise_std: float, epsilon: float, delta: f
 class MonteCarloResult:
     """What balls-in-bins Monte Carlo accounting found.
 
-    Unverified, (epsilon, delta) is an estimate (``delta_*`` +- ``std_error_*``).  With
-    ``verified`` True it is a formal guarantee (seed 000 Thm 2.1) and ``delta_*``/``std_error_*``/
-    ``samples`` are those of the fresh verification sample.
+    Unverified (``verified`` None), (epsilon, delta) is an estimate (``delta_*`` +-
+    ``std_error_*``).  Verified (True) it is a formal guarantee (seed 000 Thm 2.1) and
+    ``delta_*``/``std_error_*``/``samples`` are those of the fresh verification sample; a failed
+    verification raises instead of returning.  ``seed`` is the estimation sample's seed (OS
+    entropy unless given); ``extras["verify_seed"]`` the verification sample's.
     """
 
     epsilon: float
@@ -898,31 +968,51 @@ class MonteCarloResult:
         return out
 
 
-def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float | None = None,
-                          epsilon: float | None = None, verify: bool = False, samples: int | None = None,
-                          verify_samples: int | None = None, seed: int = 0, tau: float = DEFAULT_TAU,
+def delta_candidate(delta_add: float, delta_remove: float, se_add: float, se_remove: float, samples: int,
+                    tau: float, margin_z: float) -> float:
+    """The delta to verify for delta(eps) by Estimate-Verify-Release (seed 000 Algorithm 1): tau
+    times the larger upper confidence bound delta_hat + z * se of the estimation sample, so that a
+    fresh sample's delta_hat is likely <= candidate / tau (Thm 2.1); at least tau * 3 / samples
+    when no sampled loss exceeded eps.  Chosen from the estimation sample only."""
+    upper = max(delta_add + margin_z * se_add, delta_remove + margin_z * se_remove, 3.0 / samples)
+    return min(tau * upper, 0.5)
+
+
+def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, noise_std: float | None = None,
+                          epsilon: float | None = None, verify: bool = True, samples: int | None = None,
+                          verify_samples: int | None = None, seed: int | None = None,
+                          verify_seed: int | None = None, tau: float = DEFAULT_TAU,
                           margin_z: float = DEFAULT_MARGIN_Z, workers: int | None = None,
                           progress: bool = False) -> MonteCarloResult:
     """Balls-in-bins Monte Carlo accounting of C (seed 000).
 
-    - ``noise_std`` only: estimate eps(delta);
+    - ``noise_std`` only: eps(delta);
     - ``epsilon`` only: calibrate the noise (Algorithm 2);
-    - both: estimate delta(eps).
+    - both (``delta`` None): delta(eps); verified, delta is :func:`delta_candidate`.
 
-    With ``verify=True`` the estimate / calibration aims at delta / tau with an upper confidence
-    bound (``margin_z`` standard errors), and a fresh sample verifies the formal (epsilon, delta)
-    guarantee (Estimate-Verify-Release, Thm 2.1, 2.2).
+    By default (``verify=True``) the estimate / calibration aims at delta / tau with an upper
+    confidence bound (``margin_z`` standard errors) and a fresh, independent sample verifies the
+    formal (epsilon, delta) guarantee (Estimate-Verify-Release, Thm 2.1, 2.2); a failed
+    verification raises (:func:`release_verified`).  ``verify=False`` returns an informal
+    estimate.  Seeds: see :func:`verification_seed` (``seed`` None: OS entropy).
     """
     red = reduce_balls_in_bins(C, bins)
-    delta = _check_delta(delta)
-    seed = check_int("seed", seed, minimum=0)
+    given_both = noise_std is not None and epsilon is not None
+    if given_both and delta is not None:
+        raise CorrnoiseError("delta", "give two of noise_std, epsilon and delta (delta(eps) needs no delta)")
+    if delta is None and not given_both:
+        raise CorrnoiseError("delta", "give delta (or noise_std and epsilon for delta(eps))")
+    delta = _check_delta(delta) if delta is not None else None
+    seed, explicit = resolve_seed(seed)
     tau = check_real("tau", tau, low=1.0, low_open=True)
     if noise_std is None and epsilon is None:
         raise CorrnoiseError("noise", "give noise_std (to account) or epsilon (to calibrate)")
-    target = delta / tau if verify else delta
+    if not verify and (verify_samples is not None or verify_seed is not None):
+        raise CorrnoiseError("verify_samples" if verify_samples is not None else "verify_seed",
+                             "only applies to a verified result (an estimate is not verified)")
+    target = None if delta is None else (delta / tau if verify else delta)
     z = margin_z if verify else 0.0
-    given_both = noise_std is not None and epsilon is not None
-    extras: dict[str, Any] = {}
+    extras: dict[str, Any] = {"seed_source": "explicit" if explicit else "os"}
     if noise_std is None:
         epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
         m = (DEFAULT_PRE_VERIFY_SAMPLES if verify else DEFAULT_CALIBRATION_SAMPLES) if samples is None else samples
@@ -955,9 +1045,12 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
         return MonteCarloResult(epsilon, reported_delta, noise_std, nm, da, dr, sa, sr, m, red.bins, red.epochs,
                                 seed, None, None, extras)
     extras.update(estimate_delta_add=est[0], estimate_delta_remove=est[1], estimate_samples=est[4])
-    ver = verify_privacy(red, bins, noise_std, epsilon, delta, verify_samples, seed, tau, workers, progress,
-                         _reduced=red)
-    extras.update(tau=tau, verify_threshold=ver.threshold)
+    if delta is None:
+        delta = delta_candidate(da, dr, sa, sr, m, tau, z)
+    vseed, vsource = verification_seed(seed, explicit, verify_seed)
+    ver = release_verified(verify_privacy(red, bins, noise_std, epsilon, delta, verify_samples, vseed, tau, workers,
+                                          progress, _reduced=red))
+    extras.update(tau=tau, verify_threshold=ver.threshold, verify_seed=vseed, verify_seed_source=vsource)
     return MonteCarloResult(epsilon, delta, noise_std, nm, ver.delta_add, ver.delta_remove, ver.std_error_add,
                             ver.std_error_remove, ver.samples, red.bins, red.epochs, seed, ver.verified,
                             ver.failure_probability, extras)
@@ -967,25 +1060,74 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float, noise_std: float |
 # Registration as method "mc" (corrnoise.accounting.base registry)
 # ----------------------------------------------------------------------------------------------
 def _result(res: MonteCarloResult, strategy) -> "Any":
+    """A verified result is a guarantee (seed 000 Thm 2.1); an unverified one an estimate."""
     from .base import PrivacyResult
 
     extras = {k: v for k, v in res.to_dict().items()
               if k not in ("epsilon", "delta", "noise_std", "noise_multiplier")}
     return PrivacyResult(float(res.epsilon), float(res.delta), float(res.noise_std),
-                         float(res.noise_multiplier), "mc", extras)
+                         float(res.noise_multiplier), "mc", extras,
+                         kind="guarantee" if res.verified else "estimate")
 
 
-def _options(samples, seed, progress, verify, verify_samples, tau) -> dict[str, Any]:
-    return {"samples": samples, "seed": 0 if seed is None else seed, "progress": bool(progress),
-            "verify": bool(verify), "verify_samples": verify_samples,
+def _options(samples, seed, progress, verify, verify_samples, tau, estimate, verify_seed) -> dict[str, Any]:
+    """The options of :func:`account_balls_in_bins`: a verified guarantee unless ``estimate`` is
+    explicitly True (``verify=False`` alone is refused: an estimate must be asked for by name)."""
+    estimate = bool(estimate)
+    if estimate and verify:
+        raise CorrnoiseError("estimate", "estimate=True asks for an unverified estimate; it cannot be combined "
+                             "with verify=True")
+    if verify is not None and not verify and not estimate:
+        raise CorrnoiseError("verify", "verify=False would release an unverified Monte Carlo estimate; ask for "
+                             "one explicitly with estimate=True")
+    return {"samples": samples, "seed": seed, "progress": bool(progress), "verify": not estimate,
+            "verify_samples": verify_samples, "verify_seed": verify_seed,
             "tau": DEFAULT_TAU if tau is None else tau}
 
 
+def _single_bin_gaussian(strategy, delta: float, noise_std: float | None = None,
+                         epsilon: float | None = None):
+    """Balls-in-bins with one bin (seed 000 Lemma 3.2 with b = 1): every example is in every step,
+    so P = N(m_0, nu^2 I) with m_0 = C 1 is a single Gaussian and no sampling randomness is left
+    to amplify.  The mechanism is exactly the Gaussian mechanism with sensitivity
+    sens(C, every step) (tutorial Lemma 1.13; = ||C 1|| for a non-negative C), accounted exactly
+    as mu-GDP by :mod:`.gaussian` -- no Monte Carlo, no verification needed."""
+    from ..participation import Cyclic
+    from .base import NoBatching
+    from .gaussian import account_gaussian, calibrate_gaussian
+
+    every_step = NoBatching(Cyclic(int(strategy.n), 1))
+    if epsilon is not None and noise_std is not None:
+        from .gaussian import delta_gaussian
+
+        res = delta_gaussian(strategy, every_step, noise_std, epsilon)
+    elif epsilon is not None:
+        res = calibrate_gaussian(strategy, every_step, epsilon, delta)
+    else:
+        res = account_gaussian(strategy, every_step, noise_std, delta)
+    return res.with_extras(bins=1, epochs=int(strategy.n), exact=True,
+                           note="balls-in-bins:1 puts every example in every step: exact Gaussian mechanism "
+                                "accounting (no Monte Carlo)")
+
+
 def _calibrate_mc(strategy, batching, epsilon: float, delta: float, samples=None, seed=None, progress=False,
-                  verify=False, verify_samples=None, tau=None):
+                  verify=None, verify_samples=None, tau=None, estimate=None, verify_seed=None):
     """Calibrate the noise for balls-in-bins batching (seed 000 Algorithm 2; verified with EVR)."""
-    res = account_balls_in_bins(strategy, batching.bins, delta=delta, epsilon=epsilon,
-                                **_options(samples, seed, progress, verify, verify_samples, tau))
+    opts = _options(samples, seed, progress, verify, verify_samples, tau, estimate, verify_seed)
+    if batching.bins == 1:
+        return _single_bin_gaussian(strategy, delta, epsilon=epsilon)
+    res = account_balls_in_bins(strategy, batching.bins, delta=delta, epsilon=epsilon, **opts)
+    return _result(res, strategy)
+
+
+def _delta_mc(strategy, batching, noise_std: float, epsilon: float, samples=None, seed=None, progress=False,
+              verify=None, verify_samples=None, tau=None, estimate=None, verify_seed=None):
+    """delta(eps) for balls-in-bins batching: estimate, then verify tau times the upper confidence
+    bound on a fresh sample (:func:`delta_candidate`, seed 000 Thm 2.1)."""
+    opts = _options(samples, seed, progress, verify, verify_samples, tau, estimate, verify_seed)
+    if batching.bins == 1:
+        return _single_bin_gaussian(strategy, None, noise_std=noise_std, epsilon=epsilon)
+    res = account_balls_in_bins(strategy, batching.bins, noise_std=noise_std, epsilon=epsilon, **opts)
     return _result(res, strategy)
 
 
@@ -993,13 +1135,16 @@ def _register() -> None:
     from .base import BallsInBins, register_method
 
     @register_method("mc", batchings=(BallsInBins,), requires_nonnegative=True, calibrate=_calibrate_mc,
-                     options=("samples", "seed", "progress", "verify", "verify_samples", "tau"),
-                     description="balls-in-bins Monte Carlo accounting (seed 000), optionally verified")
+                     delta_of=_delta_mc,
+                     description="balls-in-bins Monte Carlo accounting (seed 000), verified by default")
     def account_mc(strategy, batching, noise_std: float, delta: float, samples=None, seed=None, progress=False,
-                   verify=False, verify_samples=None, tau=None):
-        """eps(delta) of C under balls-in-bins batching by Monte Carlo (seed 000 Lemma 3.2, Sec. 2)."""
-        res = account_balls_in_bins(strategy, batching.bins, delta=delta, noise_std=noise_std,
-                                    **_options(samples, seed, progress, verify, verify_samples, tau))
+                   verify=None, verify_samples=None, tau=None, estimate=None, verify_seed=None):
+        """eps(delta) of C under balls-in-bins batching by Monte Carlo (seed 000 Lemma 3.2, Sec. 2),
+        released only after Estimate-Verify-Release (Thm 2.1) unless ``estimate=True``."""
+        opts = _options(samples, seed, progress, verify, verify_samples, tau, estimate, verify_seed)
+        if batching.bins == 1:
+            return _single_bin_gaussian(strategy, delta, noise_std=noise_std)
+        res = account_balls_in_bins(strategy, batching.bins, delta=delta, noise_std=noise_std, **opts)
         return _result(res, strategy)
 
 

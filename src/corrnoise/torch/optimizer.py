@@ -40,7 +40,7 @@ from ..accounting import (
     method_available,
     parse_batching,
 )
-from ..accounting.base import prepare
+from ..accounting.base import prepare, require_guarantee
 from ..errors import CorrnoiseError, check_int, check_real
 from ..participation import Cyclic, MinSep, Single, parse_participation
 from ..sampling import (
@@ -209,6 +209,8 @@ def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: floa
     participation schema describes (conservative before the end of the run). Balls-in-bins
     batching analyses the leading ceil(steps / bins) * bins steps (whole epochs; conservative
     mid-epoch). ``extras["accounted_steps"]`` is the number of steps analysed. Zero steps: 0.
+    Only a formal guarantee is reported (Monte Carlo: verified, seed 000 Thm 2.1); options asking
+    for an estimate or a lower bound raise.
     """
     if steps == 0:
         return PrivacyResult(0.0, delta, noise_std, math.nan, "none", {"steps": 0})
@@ -224,7 +226,8 @@ def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: floa
     else:
         accounted_steps = steps
     accounted = leading_strategy(strategy, accounted_steps)
-    result = account(accounted, batching, delta=delta, noise_std=noise_std, method=method, **options)
+    result = require_guarantee(account(accounted, batching, delta=delta, noise_std=noise_std, method=method,
+                                       **options), "privacy_spent")
     return result.with_extras(steps=int(steps), accounted_steps=int(accounted_steps))
 
 
@@ -513,10 +516,11 @@ def plan_private(
         strategy = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, run_steps)
 
     agreement = check_agreement(strategy, sampler=sampler, steps=run_steps, method=accounting_method, delta=delta)
+    refuse_non_guarantees(accounting_options)
     accounted = leading_strategy(strategy, run_steps)
     if epsilon is not None:
-        result = calibrate(accounted, agreement.batching, epsilon=epsilon, delta=delta, method=accounting_method,
-                           **(accounting_options or {}))
+        result = require_guarantee(calibrate(accounted, agreement.batching, epsilon=epsilon, delta=delta,
+                                             method=accounting_method, **(accounting_options or {})), "training")
         nu = result.noise_std
     elif noise_std is not None:
         nu = check_real("noise_std", noise_std, low=0.0, low_open=True)
@@ -526,6 +530,16 @@ def plan_private(
         nu = check_real("noise_multiplier", noise_multiplier, low=0.0, low_open=True) * column_norm(accounted)
 
     return strategy, sampler, agreement, nu
+
+
+def refuse_non_guarantees(accounting_options: dict[str, Any] | None) -> None:
+    """Training noise and ``privacy_spent`` rest on formal guarantees only (seed 000 Thm 2.1:
+    an unverified Monte Carlo estimate is never released; an MMCC lower bound proves nothing), so
+    accounting options asking for either are refused before anything runs."""
+    for name in ("estimate", "lower_bound"):
+        if (accounting_options or {}).get(name):
+            raise CorrnoiseError(name, f"training needs a formal (epsilon, delta) guarantee; accounting option "
+                                 f"{name}=True would give none (drop it)")
 
 
 def make_private(
