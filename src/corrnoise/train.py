@@ -312,7 +312,7 @@ class _progress:
 def train_command(dataset, mechanism, epsilon, delta, epochs, batch_size, seed, noise_seed, lr, optimizer, momentum,
                   clip_norm, as_json):
     """Private training on DATASET with a correlated-noise MECHANISM at (EPSILON, DELTA)."""
-    from .report import emit as _emit
+    from .cli.report import emit as _emit
 
     if mechanism not in MECHANISMS:
         raise CorrnoiseError("mechanism", f"must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")

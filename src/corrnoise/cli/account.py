@@ -20,7 +20,7 @@ import sys
 import click
 
 from ..errors import CorrnoiseError
-from ..report import emit
+from .report import emit
 
 METHOD_CHOICES = ["auto", "gaussian", "pld", "rdp", "bandmf", "mmcc", "mc"]
 
@@ -71,8 +71,8 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
                     estimate: bool, lower_bound: bool, as_json: bool) -> None:
     """(epsilon, delta) of MECHANISM for a noise level, or the noise for a target epsilon."""
     from ..strategies import parse_strategy
-    from . import account, calibrate, parse_batching
-    from .base import choose_method
+    from ..accounting import account, calibrate, parse_batching
+    from ..accounting.base import choose_method
 
     if n < 1:
         raise CorrnoiseError("n", f"must be >= 1, got {n}")

@@ -13,16 +13,16 @@ import sys
 
 import click
 
-from .errors import CorrnoiseError
+from ..errors import CorrnoiseError
 from .report import emit as _emit
 
 
 # Commands defined in other layers, imported only when invoked so that `corrnoise loss` does not
 # pay for torch or dp_accounting at start-up: name -> "module:attribute".
 LAZY_COMMANDS = {
-    "account": "corrnoise.accounting.command:account_command",
+    "account": "corrnoise.cli.account:account_command",
     "bench": "corrnoise.noise.bench:bench_group",
-    "optimize": "corrnoise.optimize.command:optimize_command",
+    "optimize": "corrnoise.cli.optimize:optimize_command",
     "train": "corrnoise.train:train_command",
 }
 
@@ -56,10 +56,10 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def loss(strategy: str, n: int, participation: str, workload: str, as_json: bool) -> None:
     """Sensitivity, mean/max error and normalized RMS/max loss of STRATEGY."""
-    from .losses import loss_report
-    from .participation import parse_participation
-    from .strategies import parse_strategy
-    from .workloads import parse_workload
+    from ..losses import loss_report
+    from ..participation import parse_participation
+    from ..strategies import parse_strategy
+    from ..workloads import parse_workload
 
     if n < 1:
         raise CorrnoiseError("n", f"must be >= 1, got {n}")
@@ -75,8 +75,8 @@ def loss(strategy: str, n: int, participation: str, workload: str, as_json: bool
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def demo(n: int, as_json: bool) -> None:
     """Compare the built-in mechanisms on n steps (single and 4-epoch cyclic participation)."""
-    from .losses import loss_report
-    from .strategies import parse_strategy
+    from ..losses import loss_report
+    from ..strategies import parse_strategy
 
     if n < 16:
         raise CorrnoiseError("n", f"the demo needs n >= 16, got {n}")

@@ -1,0 +1,91 @@
+"""``corrnoise optimize KIND --n N ...`` (docs/cli.md).
+
+Optimizes a strategy (:func:`corrnoise.optimize.run.run_optimize`), optionally writes a
+mechanism file, and prints a table or one JSON object (``--json``) with ``rms_loss, max_loss,
+sensitivity, mean_error, max_error, seconds, file``. Progress is shown with rich only on a
+terminal and never with ``--json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import click
+
+from ..errors import CorrnoiseError
+from ..optimize.run import run_optimize
+from .report import emit
+
+
+@contextlib.contextmanager
+def _progress_display(enabled: bool, title: str):
+    """Yield (fraction_callback, iteration_callback) driving one rich progress bar, or no-ops."""
+    if not enabled:
+        yield (lambda fraction, message: None), (lambda iteration, loss: None)
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  transient=True, console=None) as bar:
+        task = bar.add_task(title, total=1.0)
+
+        def on_fraction(fraction: float, message: str) -> None:
+            bar.update(task, completed=fraction, description=message)
+
+        def on_iteration(iteration: int, loss: float) -> None:
+            bar.update(task, total=None, description=f"{title}: iteration {iteration}, loss {loss:.6g}")
+
+        yield on_fraction, on_iteration
+
+
+@click.command("optimize")
+@click.argument("kind", metavar="KIND")
+@click.option("--n", "n", type=int, required=True, help="Number of steps (iterations).")
+@click.option("--bands", type=int, default=None, help="Number of bands (banded, banded-toeplitz).")
+@click.option("--buffers", type=int, default=None, help="BLT buffers d (1..10; default: grow while it helps).")
+@click.option("--participation", default="single", show_default=True, help="single | cyclic:K:B | minsep:K:B")
+@click.option("--objective", default="rms", show_default=True, help="rms | max")
+@click.option("--workload", default="prefix", show_default=True, help="prefix | momentum:BETA[:WEIGHT_DECAY]")
+@click.option("--colnorm", is_flag=True, help="banded-toeplitz: normalize the columns afterwards.")
+@click.option("--out", "out", default=None, help="Mechanism file to write (.json; dense/banded arrays go to a sibling .npz).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def optimize_command(kind, n, bands, buffers, participation, objective, workload, colnorm, out, as_json):
+    """Optimize a KIND strategy (dense, banded, banded-toeplitz, blt) and write a mechanism file."""
+    if out is not None and not str(out).endswith(".json"):
+        raise CorrnoiseError("out", f"mechanism files end in .json, got {out!r}")
+    show = (not as_json) and sys.stderr.isatty()
+    with _progress_display(show, f"optimize {kind}") as callbacks:
+        strategy, report, seconds = run_optimize(kind, n, bands, buffers, participation, objective, workload,
+                                                 colnorm, progress=callbacks)
+    losses = {
+        "rms_loss": report.rms_loss,
+        "max_loss": report.max_loss,
+        "sensitivity": report.sensitivity,
+        "sensitivity_exact": report.sensitivity_exact,
+        "mean_error": report.mean_error,
+        "max_error": report.max_error,
+    }
+    path = None
+    if out is not None:
+        from ..strategies import save_mechanism
+
+        designed_for = {"participation": report.participation, "objective": objective.strip().lower(),
+                        "workload": report.workload}
+        path = str(save_mechanism(strategy, out, designed_for=designed_for, losses=losses))
+    data = {
+        "kind": kind.strip().lower(),
+        "strategy": strategy.label,
+        "n": report.n,
+        "bands": strategy.bands,
+        "participation": report.participation,
+        "objective": objective.strip().lower(),
+        "workload": report.workload,
+        **losses,
+        "seconds": seconds,
+        "file": path,
+    }
+    emit(data, as_json, f"corrnoise optimize {kind}")
+
+
+__all__ = ["optimize_command"]
