@@ -39,15 +39,45 @@ def old_fill_seed_noise(out: torch.Tensor, seed: int, t: int, m: int, chunk_size
     return out
 
 
-def old_dpcgd_step(out: torch.Tensor, seed: int, t: int, m: int, beta: float, generator: torch.Generator,
-                   scratch: torch.Tensor, chunk_size: int = OLD_CHUNK) -> torch.Tensor:
-    """The old DP-CGD step: Z[t] into out, then Z[t-1] regenerated chunk by chunk and subtracted."""
-    old_fill_seed_noise(out, seed, t, m, chunk_size, generator)
-    if t > 0:
-        for k in range(-(-m // chunk_size)):
-            a, b = k * chunk_size, min((k + 1) * chunk_size, m)
-            generator.manual_seed(old_step_seed(seed, t - 1, k))
-            piece = scratch[: b - a]
-            torch.randn(b - a, generator=generator, out=piece)
-            out[a:b].add_(piece, alpha=-beta)
-    return out
+# torch runs an element-wise op on one thread below 32768 elements; the old regeneration added
+# each chunk in such serial pieces (old generators._axpy).
+_SERIAL_PIECE = 16384
+
+
+def _old_axpy(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+    size = dst.numel()
+    if dst.device.type != "cpu" or size < 2 * _SERIAL_PIECE:
+        dst.add_(src, alpha=alpha)
+        return
+    for i in range(0, size, _SERIAL_PIECE):
+        dst[i: i + _SERIAL_PIECE].add_(src[i: i + _SERIAL_PIECE], alpha=alpha)
+
+
+def make_old_generator(strategy, m: int, seed: int = 1, dtype=torch.float32, noise_std: float = 1.0):
+    """A current generator with its seed noise replaced by the old chunk loop and its buffered
+    updates by the old whole-row torch ops: what one old step cost, for timing only."""
+    from corrnoise.noise import make_generator
+
+    gen = make_generator(strategy, m, noise_std=noise_std, seed=seed, dtype=dtype, chunk_size=OLD_CHUNK)
+    gen._fused = False
+    torch_gen = torch.Generator()
+    scratch = torch.empty(min(OLD_CHUNK, m), dtype=dtype)
+
+    def old_combination(terms, out=None, post=None):
+        if out is None:
+            out = torch.empty(m, dtype=dtype)
+        (tau0, c0), rest = terms[0], terms[1:]
+        old_fill_seed_noise(out, seed, tau0, m, OLD_CHUNK, torch_gen)
+        if gen.noise_std * c0 != 1.0:
+            out.mul_(gen.noise_std * c0)
+        for tau, c in rest:
+            for k in range(-(-m // OLD_CHUNK)):
+                a, b = k * OLD_CHUNK, min((k + 1) * OLD_CHUNK, m)
+                torch_gen.manual_seed(old_step_seed(seed, tau, k))
+                piece = scratch[: b - a]
+                torch.randn(b - a, generator=torch_gen, out=piece)
+                _old_axpy(out[a:b], piece, gen.noise_std * c)
+        return out
+
+    gen._combination = old_combination
+    return gen

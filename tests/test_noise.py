@@ -178,7 +178,7 @@ def test_returned_tensor_is_not_retained(strategy):
 def test_extra_memory_accounting():
     m = 1 << 18
     per_thread = scratch_bytes(DEFAULT_CHUNK, torch.float32, threads=1)
-    assert per_thread == 3 * 4 * DEFAULT_CHUNK // 2 + 8 * DEFAULT_CHUNK // 2  # block + half block + words
+    assert per_thread == 5 * 4 * DEFAULT_CHUNK // 2 + 8 * DEFAULT_CHUNK // 2  # block + 3 half blocks + words
     big = 1 << 22
     dp = make_generator(DPCGD(0.9, 100), big, seed=0)
     dp.next_flat(), dp.next_flat()

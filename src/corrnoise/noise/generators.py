@@ -15,11 +15,18 @@ Kinds (picked by :func:`make_generator`; all in the model's device and dtype):
 * ``blt`` -- C = BLT(alpha, lam): d buffers updated with the parameters of C itself
   (tutorial Alg. 2.2, no inverse parameters): O(d m).
 * ``dpcgd`` -- C^{-1} = I - beta S (seed 003 Eq. 8-9): nu (Z[t] - beta Z[t-1]) with Z[t-1]
-  regenerated chunk by chunk from its seed (seed 003 Sec. 4): one chunk of scratch memory.
+  regenerated block by block from the key (seed 003 Sec. 4) and added in the same pass:
+  one block of scratch per filling thread.
 * ``regenerate`` -- any C (general Toeplitz, dense, tree, ...): sum_tau C^{-1}[t, tau] Z[tau]
-  with every needed row of Z regenerated from its per-step seed, chunk by chunk
+  with every needed row of Z regenerated from the key, block by block
   (tutorial Sec. 4.4.5, Approach 2): O(m) memory, O(t m) time at step t (only the
   non-zero coefficients cost anything, so C^{-1} = I - S costs two rows).
+
+On CPU the seed noise is drawn by worker threads, one group of counter blocks each
+(:mod:`corrnoise.noise.seeds`), and the banded and BLT updates run in the same thread on each
+block right after it is drawn, piece by cache-sized piece (numpy in-place ufuncs, no temporary of
+size m: "fused"); on other devices they are whole-row torch ops (addmv_/addcmul). Both compute
+the same recursion (tests/test_noise_counters.py compares them).
 
 Column-normalized strategies (tutorial Def. 2.10) wrap any kind: C_norm^{-1} = D C^{-1}, so
 the row is multiplied by the column norm of step t (Remark 2.19) at no extra memory.
@@ -43,7 +50,7 @@ import torch
 
 from ..errors import CorrnoiseError, check_int, check_real
 from ..strategies import BLT, DPCGD, Banded, ColumnNormalized, Dense, Identity, Strategy, Toeplitz
-from .seeds import DEFAULT_CHUNK, check_seed, fill_noise_combination, new_secret_seed, scratch_bytes
+from .seeds import DEFAULT_CHUNK, check_seed, fill_noise_combination, new_secret_seed, scratch_bytes, thread_scratch
 
 __all__ = [
     "NoiseGenerator",
@@ -143,14 +150,21 @@ class NoiseGenerator:
         self.t = 0
 
     # --- seed noise ------------------------------------------------------------------------
-    def _combination(self, terms, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _combination(self, terms, out: torch.Tensor | None = None, post=None) -> torch.Tensor:
         """nu * sum_i coef_i Z[tau_i] over the shard for ``terms`` = [(tau_i, coef_i)], fused
-        block by block (:func:`corrnoise.noise.seeds.fill_noise_combination`)."""
+        block by block (:func:`corrnoise.noise.seeds.fill_noise_combination`); ``post(lo, hi)``
+        then updates out[lo:hi] in the filling thread (CPU)."""
         if out is None:
             out = torch.empty(self.size, dtype=self.dtype, device=self.device)
         nu = self.noise_std
         return fill_noise_combination(out, self.seed, [(tau, nu * c) for tau, c in terms], self.m,
-                                      self.start, self.chunk_size)
+                                      self.start, self.chunk_size, post=post)
+
+    @property
+    def fused(self) -> bool:
+        """Whether buffered updates run per block in the filling threads (CPU, float32/64 rows);
+        otherwise they are whole-row torch ops (any device). Both compute the same recursion."""
+        return getattr(self, "_fused", self.device.type == "cpu" and self.dtype in (torch.float32, torch.float64))
 
     def _z(self, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """nu * Z[t] over the shard (a fresh tensor unless ``out`` is given)."""
@@ -280,6 +294,11 @@ class NoiseGenerator:
                 f"noise_std={self.noise_std:g}, dtype={self.dtype}, device={self.device})")
 
 
+# Coordinates per piece of a fused buffered update: the pieces of out and of the d buffers
+# (256 KiB each in float32) stay in the core's cache between the read and the write.
+_PIECE = 1 << 16
+
+
 class IidGenerator(NoiseGenerator):
     """C = I: DP-SGD's independent noise nu Z[t] (tutorial Alg. 1.3 with C^{-1} = I)."""
 
@@ -326,8 +345,10 @@ class BandedGenerator(NoiseGenerator):
 
     def _raw_step(self, t):
         row = self._row(t)
-        out = self._z(t)
         w = self.b - 1
+        if self.fused:
+            return self._fused_step(t, row, w)
+        out = self._z(t)
         if w > 0 and t > 0:
             weights = np.zeros(w)
             for j in range(1, min(t, w) + 1):
@@ -340,6 +361,30 @@ class BandedGenerator(NoiseGenerator):
         if w > 0:
             self._hist[t % w].copy_(out)
         return out
+
+    def _fused_step(self, t, row, w):
+        """The same forward substitution per cache-sized piece of each block, in its thread."""
+        out = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        o_all = out.numpy()
+        hist = self._hist.numpy()
+        terms = [((t - j) % w, float(row[j])) for j in range(1, min(t, w) + 1) if row[j] != 0.0] if w > 0 else []
+        diag = float(row[0])
+        slot = t % w if w > 0 else None
+
+        def post(lo, hi):
+            for a in range(lo, hi, _PIECE):
+                b = min(hi, a + _PIECE)
+                o = o_all[a:b]
+                tmp = thread_scratch("mech", b - a, o.dtype)
+                for r, c in terms:
+                    np.multiply(hist[r, a:b], c, out=tmp)
+                    np.subtract(o, tmp, out=o)
+                if diag != 1.0:
+                    np.divide(o, diag, out=o)
+                if slot is not None:
+                    np.copyto(hist[slot, a:b], o)
+
+        return self._z(t, out) if not terms and diag == 1.0 and slot is None else self._combination([(t, 1.0)], out, post)
 
     def _reset_buffers(self):
         self._hist.zero_()
@@ -376,12 +421,37 @@ class BLTGenerator(NoiseGenerator):
         return False
 
     def _raw_step(self, t):
+        if self.fused:
+            return self._fused_step(t)
         out = self._z(t)
         if t > 0:
             out.addmv_(self._buf.t(), self._alpha_t, alpha=-1.0)
         # M <- M diag(lam) + out 1^T in one fused pass over the d buffers
         torch.addcmul(out.expand_as(self._buf), self._buf, self._lam_t, out=self._buf)
         return out
+
+    def _fused_step(self, t):
+        """out = nu z_t - M alpha, then M <- M diag(lam) + out 1^T, per cache-sized piece of each
+        block in its filling thread (each buffer read and written once per step)."""
+        out = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        o_all, buf = out.numpy(), self._buf.numpy()
+        alpha, lam = [float(x) for x in self.alpha], [float(x) for x in self.lam]
+
+        def post(lo, hi):
+            for a in range(lo, hi, _PIECE):
+                b = min(hi, a + _PIECE)
+                o = o_all[a:b]
+                if t > 0:
+                    tmp = thread_scratch("mech", b - a, o.dtype)
+                    for i, al in enumerate(alpha):
+                        np.multiply(buf[i, a:b], al, out=tmp)
+                        np.subtract(o, tmp, out=o)
+                for i, la in enumerate(lam):
+                    mi = buf[i, a:b]
+                    np.multiply(mi, la, out=mi)
+                    np.add(mi, o, out=mi)
+
+        return self._combination([(t, 1.0)], out, post)
 
     def _reset_buffers(self):
         self._buf.zero_()

@@ -270,34 +270,47 @@ def _fill_torch(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: 
 # ---------------------------------------------------------------------------------------------
 # CPU path: numpy Philox4x64-10 raw words + numpy Box-Muller, blocks filled by worker threads.
 
-def _box_muller_block(dst: np.ndarray, words: np.ndarray, f64: bool, tmp: np.ndarray) -> None:
-    """Write the 2h normals of h Box-Muller pairs into ``dst`` (length 2h), in place.
+def _box_muller_block(dst: np.ndarray, words: np.ndarray, f64: bool, coef: float, accumulate: bool) -> None:
+    """dst (length 2h) = coef * (or += coef *) the 2h normals of h Box-Muller pairs.
 
     ``words``: h uint64 (float32: low 32 bits u1, high 32 bits u2) or 2h uint64 (float64:
-    words 2i, 2i+1 give u1, u2 from their top 53 bits). ``tmp``: h scratch floats.
+    words 2i, 2i+1 give u1, u2 from their top 53 bits). The coefficient is folded into the
+    radius (h multiplies instead of 2h); accumulation adds R cos / R sin straight into dst.
+    Scratch: the calling thread's half-block buffers.
     """
     h = dst.size // 2
-    radius, second = dst[:h], dst[h:]
-    if f64:
-        w = words.reshape(h, 2)
-        np.right_shift(w[:, 0], 11, out=w[:, 0])
-        np.right_shift(w[:, 1], 11, out=w[:, 1])
-        np.add(w[:, 0], 1, out=w[:, 0])
-        np.multiply(w[:, 0], 2.0 ** -53, out=radius, casting="unsafe")
-        np.multiply(w[:, 1], 2.0 * math.pi * 2.0 ** -53, out=second, casting="unsafe")
+    w = _worker()
+    if accumulate:
+        radius, second = w.buf("radius", h, dst.dtype), w.buf("angle", h, dst.dtype)
     else:
-        w = words.view(np.uint32).reshape(h, 2)
-        np.add(w[:, 0], np.float32(1.0), out=radius, dtype=np.float32, casting="unsafe")
+        radius, second = dst[:h], dst[h:]
+    if f64:
+        pair = words.reshape(h, 2)
+        np.right_shift(pair, 11, out=pair)
+        np.add(pair[:, 0], 1, out=pair[:, 0])
+        np.multiply(pair[:, 0], 2.0 ** -53, out=radius, casting="unsafe")
+        np.multiply(pair[:, 1], 2.0 * math.pi * 2.0 ** -53, out=second, casting="unsafe")
+    else:
+        pair = words.view(np.uint32).reshape(h, 2)
+        np.add(pair[:, 0], np.float32(1.0), out=radius, dtype=np.float32, casting="unsafe")
         np.multiply(radius, np.float32(2.0 ** -32), out=radius)
-        np.multiply(w[:, 1], np.float32(2.0 * math.pi * 2.0 ** -32), out=second, dtype=np.float32,
+        np.multiply(pair[:, 1], np.float32(2.0 * math.pi * 2.0 ** -32), out=second, dtype=np.float32,
                     casting="unsafe")
     np.log(radius, out=radius)
     np.multiply(radius, -2.0, out=radius)
     np.sqrt(radius, out=radius)
+    if coef != 1.0:
+        np.multiply(radius, coef, out=radius)
+    tmp = w.buf("tmp", h, dst.dtype)
     np.cos(second, out=tmp)
     np.sin(second, out=second)
     np.multiply(second, radius, out=second)
-    np.multiply(radius, tmp, out=radius)
+    if accumulate:
+        np.multiply(tmp, radius, out=tmp)
+        np.add(dst[:h], tmp, out=dst[:h])
+        np.add(dst[h:], second, out=dst[h:])
+    else:
+        np.multiply(radius, tmp, out=radius)
 
 
 class _Worker:
@@ -337,62 +350,62 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 
 def scratch_bytes(chunk: int, dtype: torch.dtype, threads: int | None = None) -> int:
-    """Bytes of CPU scratch a fill may hold per thread: one block of normals, half a block of
-    Box-Muller temporaries, and the block's raw 64-bit Philox words."""
+    """Bytes of CPU scratch a fill may hold per thread: one block of normals (cut blocks), three
+    half blocks of Box-Muller temporaries, and the block's raw 64-bit Philox words."""
     threads = _threads() if threads is None else threads
     itemsize = 8 if dtype == torch.float64 else 4
     pairs = (chunk + 1) // 2
-    return threads * (3 * pairs * itemsize + 8 * block_words(chunk, dtype))
+    return threads * (5 * pairs * itemsize + 8 * block_words(chunk, dtype))
 
 
 def _threads() -> int:
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1, 8))
 
 
-def draw_block(dst: np.ndarray, key: list[int], t: int, block: int, length: int, f64: bool) -> None:
-    """Z[t, block] (``length`` coordinates; dst of length 2 ceil(length / 2)) on the CPU path."""
+def draw_block(dst: np.ndarray, key: list[int], t: int, block: int, length: int, f64: bool,
+               coef: float = 1.0, accumulate: bool = False) -> None:
+    """dst (length 2 ceil(length / 2)) = coef * Z[t, block] (or += with ``accumulate``), CPU path."""
     dtype = torch.float64 if f64 else torch.float32
     counter = block_counter(t, block, dtype)
     bitgen = np.random.Philox(key=key, counter=list(counter))
-    nwords = block_words(length, dtype)
-    words = bitgen.random_raw(nwords)
+    words = bitgen.random_raw(block_words(length, dtype))
     after = bitgen.state["state"]["counter"]
     if int(after[1]) != block or int(after[2]) != t or int(after[3]) != counter[3]:
         raise CorrnoiseError("t", "Philox counter overflowed into the block word")  # pragma: no cover
-    _box_muller_block(dst, words, f64, _worker().buf("tmp", dst.size // 2, dst.dtype))
+    _box_muller_block(dst, words, f64, coef, accumulate)
 
 
-def _fill_blocks(out: np.ndarray, key, terms, m: int, start: int, chunk: int, blocks) -> None:
-    """out[global coordinates of the given blocks ∩ shard] = sum coef Z[tau] (one thread)."""
+def thread_scratch(name: str, size: int, dtype) -> np.ndarray:
+    """A scratch array of the calling thread (kept between calls, grown on demand)."""
+    return _worker().buf(name, size, dtype)
+
+
+def _fill_blocks(out: np.ndarray, key, terms, m: int, start: int, chunk: int, blocks, post) -> None:
+    """out[blocks ∩ shard] = sum coef Z[tau] (one thread), then ``post(lo, hi)`` per block."""
     f64 = out.dtype == np.float64
-    w = _worker()
     stop = start + out.size
     for k in blocks:
         a = k * chunk
         length = min(chunk, m - a)
-        even = length + (length & 1)
         lo, hi = max(a, start), min(a + length, stop)
         dst = out[lo - start: hi - start]
-        direct = lo == a and hi == a + length and even == length
-        for j, (tau, coef) in enumerate(terms):
-            if j == 0 and direct:
-                draw_block(dst, key, tau, k, length, f64)
-                if coef != 1.0:
-                    np.multiply(dst, coef, out=dst)
-                continue
-            buf = w.buf("block", even, out.dtype)
-            draw_block(buf, key, tau, k, length, f64)
-            piece = buf[lo - a: hi - a]
-            if j == 0:
-                np.multiply(piece, coef, out=dst)
-            else:
-                np.multiply(piece, coef, out=piece)
-                np.add(dst, piece, out=dst)
+        if lo == a and hi == a + length and length % 2 == 0:
+            for j, (tau, coef) in enumerate(terms):
+                draw_block(dst, key, tau, k, length, f64, coef, accumulate=j > 0)
+        else:  # a block cut by the shard, or of odd length: draw it whole, keep the overlap
+            buf = thread_scratch("block", length + (length & 1), out.dtype)
+            for j, (tau, coef) in enumerate(terms):
+                draw_block(buf, key, tau, k, length, f64, coef, accumulate=j > 0)
+            np.copyto(dst, buf[lo - a: hi - a])
+        if post is not None:
+            post(lo - start, hi - start)
 
 
-def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: int) -> None:
+def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: int, post) -> None:
     target = out
     if out.dtype not in (torch.float32, torch.float64) or not out.is_contiguous():
+        if post is not None:
+            raise CorrnoiseError("dtype", "a fused update needs a contiguous float32/float64 row")
         work = torch.float64 if out.dtype == torch.float64 else torch.float32
         target = torch.empty(out.numel(), dtype=work)
     arr = target.numpy()
@@ -401,10 +414,10 @@ def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: in
     blocks = list(range(start // chunk, -(-stop // chunk)))
     nthreads = min(_threads(), len(blocks))
     if nthreads <= 1:
-        _fill_blocks(arr, key, terms, m, start, chunk, blocks)
+        _fill_blocks(arr, key, terms, m, start, chunk, blocks, post)
     else:
         groups = [blocks[i * len(blocks) // nthreads:(i + 1) * len(blocks) // nthreads] for i in range(nthreads)]
-        futures = [_pool(nthreads).submit(_fill_blocks, arr, key, terms, m, start, chunk, g) for g in groups]
+        futures = [_pool(nthreads).submit(_fill_blocks, arr, key, terms, m, start, chunk, g, post) for g in groups]
         for f in futures:
             f.result()
     if target is not out:
@@ -412,13 +425,17 @@ def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: in
 
 
 def fill_noise_combination(out: torch.Tensor, seed: int, terms, m: int, start: int = 0,
-                           chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+                           chunk_size: int = DEFAULT_CHUNK, post=None) -> torch.Tensor:
     """out = sum_i coef_i * Z[tau_i, start:start + len(out)] for ``terms`` = [(tau_i, coef_i)],
     fused block by block (no temporary beyond one block per thread on CPU).
 
     An empty ``terms`` gives zeros. The result equals the same combination of
-    :func:`seed_noise` rows (up to rounding of the sum).
+    :func:`seed_noise` rows (up to rounding of the sum). CPU only: ``post(lo, hi)`` is called
+    by the filling thread once out[lo:hi] is final (disjoint ranges, possibly concurrently),
+    so a mechanism update can run on cache-hot data; elsewhere ``post`` must be None.
     """
+    if post is not None and out.device.type != "cpu":
+        raise CorrnoiseError("device", "a fused per-block update runs on CPU only")
     stop = start + out.numel()
     if start < 0 or stop > m:
         raise CorrnoiseError("shard", f"coordinates [{start}, {stop}) do not lie in [0, {m})")
@@ -426,14 +443,17 @@ def fill_noise_combination(out: torch.Tensor, seed: int, terms, m: int, start: i
         raise CorrnoiseError("chunk_size", f"must be >= 1, got {chunk_size}")
     terms = [(int(tau), float(c)) for tau, c in terms]
     if not terms:
-        return out.zero_()
+        out.zero_()
+        if post is not None and out.numel():
+            post(0, out.numel())
+        return out
     for tau, _ in terms:
         if tau < 0:
             raise CorrnoiseError("t", f"must be >= 0, got {tau}")
     if out.numel() == 0:
         return out
     if out.device.type == "cpu":
-        _fill_cpu(out, seed, terms, m, start, chunk_size)
+        _fill_cpu(out, seed, terms, m, start, chunk_size, post)
     else:
         _fill_torch(out, seed, terms, m, start, chunk_size)
     return out
