@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from corrnoise.errors import CorrnoiseError
@@ -138,9 +138,16 @@ triples = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.sam
 
 
 @given(triples, triples, st.integers(1, 10**6), st.integers(1, 10**6))
+@example((0, 0, torch.float32), (2**32, 0, torch.float32), 5, 5)  # the old breach: seeds equal mod 2^32
+@example((2**16, 3, torch.float32), (0, 3, torch.float32), 5, 5)
+@example((7, 2**40, torch.float64), (7, 0, torch.float64), 5, 5)
+@example((7, 1, torch.float64), (7, 1, torch.float32), 5, 5)
 def test_distinct_step_block_dtype_get_disjoint_counter_ranges(a, b, len_a, len_b):
-    """A block draw uses counters (i, block, t, domain), 1 <= i <= ceil(words / 4)."""
+    """A block draw uses counters (i, block, t, domain), 1 <= i <= ceil(words / 4): the
+    (block, t, domain) words decode back to the triple, so distinct triples never meet."""
     ca, cb = S.block_counter(a[0], a[1], a[2]), S.block_counter(b[0], b[1], b[2])
+    for c, (t, block, dtype) in ((ca, a), (cb, b)):
+        assert c[0] == 0 and c[1] == block and c[2] == t and c[3] == (0x5A02 if dtype == torch.float64 else 0x5A01)
     ra = {(i,) + ca[1:] for i in range(1, min(4, -(-S.block_words(len_a, a[2]) // 4)) + 1)}
     rb = {(i,) + cb[1:] for i in range(1, min(4, -(-S.block_words(len_b, b[2]) // 4)) + 1)}
     if a != b:
