@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from corrnoise.errors import CorrnoiseError
 from corrnoise.noise import make_generator, seed_noise
 from corrnoise.noise import seeds as S
-from corrnoise.strategies import BLT, DPCGD, Banded, BandedSqrt, ColumnNormalized, Identity, ToeplitzSqrt
+from corrnoise.strategies import DPCGD, Identity, ToeplitzSqrt
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -407,18 +407,3 @@ def test_broadcast_seed_keeps_every_bit():
     finally:
         dist.destroy_process_group()
 
-
-# --- fused CPU updates vs the whole-row torch ops of other devices -----------------------------
-
-@pytest.mark.parametrize("strategy", [BLT([0.3, 0.1, 0.05], [0.9, 0.5, 0.2], 7), BandedSqrt(7, 4),
-                                      Banded(np.tril(np.ones((7, 3))) + np.eye(7, 3)),
-                                      ColumnNormalized(BandedSqrt(7, 3))], ids=lambda s: s.label)
-@pytest.mark.parametrize("shard", [None, (13, 90)])
-def test_fused_cpu_updates_equal_whole_row_torch_ops(strategy, shard):
-    def rows(fused):
-        gen = make_generator(strategy, 100, noise_std=1.3, seed=4, dtype=torch.float64, chunk_size=16, shard=shard)
-        assert gen.fused  # the default on CPU
-        gen._fused = fused
-        return torch.stack([gen.next_flat() for _ in range(7)])
-
-    torch.testing.assert_close(rows(True), rows(False), rtol=0, atol=1e-12)

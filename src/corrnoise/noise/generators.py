@@ -22,11 +22,12 @@ Kinds (picked by :func:`make_generator`; all in the model's device and dtype):
   (tutorial Sec. 4.4.5, Approach 2): O(m) memory, O(t m) time at step t (only the
   non-zero coefficients cost anything, so C^{-1} = I - S costs two rows).
 
-On CPU the seed noise is drawn by worker threads, one group of counter blocks each
-(:mod:`corrnoise.noise.seeds`), and the banded and BLT updates run in the same thread on each
-block right after it is drawn, piece by cache-sized piece (numpy in-place ufuncs, no temporary of
-size m: "fused"); on other devices they are whole-row torch ops (addmv_/addcmul). Both compute
-the same recursion (tests/test_noise_counters.py compares them).
+Every update is in place, with no temporary of size m beyond the mechanism's buffers: the
+seed-noise terms of a step (nu Z[t], -beta nu Z[t-1], regenerated rows) are combined block by
+block while they are drawn (:func:`corrnoise.noise.seeds.fill_noise_combination`); banded and
+BLT updates are whole-row ``addmv_`` / ``addcmul(out=buffers)`` on the same device. (Running the
+banded/BLT updates per block inside the seed-noise threads with numpy was measured 5-9 ms slower
+at m = 1e7 on 2 cores than these two multi-threaded torch kernels, so it was dropped.)
 
 Column-normalized strategies (tutorial Def. 2.10) wrap any kind: C_norm^{-1} = D C^{-1}, so
 the row is multiplied by the column norm of step t (Remark 2.19) at no extra memory.
@@ -50,7 +51,7 @@ import torch
 
 from ..errors import CorrnoiseError, check_int, check_real
 from ..strategies import BLT, DPCGD, Banded, ColumnNormalized, Dense, Identity, Strategy, Toeplitz
-from .seeds import DEFAULT_CHUNK, check_seed, fill_noise_combination, new_secret_seed, scratch_bytes, thread_scratch
+from .seeds import DEFAULT_CHUNK, check_seed, fill_noise_combination, new_secret_seed, scratch_bytes
 
 __all__ = [
     "NoiseGenerator",
@@ -150,21 +151,14 @@ class NoiseGenerator:
         self.t = 0
 
     # --- seed noise ------------------------------------------------------------------------
-    def _combination(self, terms, out: torch.Tensor | None = None, post=None) -> torch.Tensor:
+    def _combination(self, terms, out: torch.Tensor | None = None) -> torch.Tensor:
         """nu * sum_i coef_i Z[tau_i] over the shard for ``terms`` = [(tau_i, coef_i)], fused
-        block by block (:func:`corrnoise.noise.seeds.fill_noise_combination`); ``post(lo, hi)``
-        then updates out[lo:hi] in the filling thread (CPU)."""
+        block by block (:func:`corrnoise.noise.seeds.fill_noise_combination`)."""
         if out is None:
             out = torch.empty(self.size, dtype=self.dtype, device=self.device)
         nu = self.noise_std
         return fill_noise_combination(out, self.seed, [(tau, nu * c) for tau, c in terms], self.m,
-                                      self.start, self.chunk_size, post=post)
-
-    @property
-    def fused(self) -> bool:
-        """Whether buffered updates run per block in the filling threads (CPU, float32/64 rows);
-        otherwise they are whole-row torch ops (any device). Both compute the same recursion."""
-        return getattr(self, "_fused", self.device.type == "cpu" and self.dtype in (torch.float32, torch.float64))
+                                      self.start, self.chunk_size)
 
     def _z(self, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """nu * Z[t] over the shard (a fresh tensor unless ``out`` is given)."""
@@ -294,11 +288,6 @@ class NoiseGenerator:
                 f"noise_std={self.noise_std:g}, dtype={self.dtype}, device={self.device})")
 
 
-# Coordinates per piece of a fused buffered update: the pieces of out and of the d buffers
-# (256 KiB each in float32) stay in the core's cache between the read and the write.
-_PIECE = 1 << 16
-
-
 class IidGenerator(NoiseGenerator):
     """C = I: DP-SGD's independent noise nu Z[t] (tutorial Alg. 1.3 with C^{-1} = I)."""
 
@@ -346,8 +335,6 @@ class BandedGenerator(NoiseGenerator):
     def _raw_step(self, t):
         row = self._row(t)
         w = self.b - 1
-        if self.fused:
-            return self._fused_step(t, row, w)
         out = self._z(t)
         if w > 0 and t > 0:
             weights = np.zeros(w)
@@ -361,30 +348,6 @@ class BandedGenerator(NoiseGenerator):
         if w > 0:
             self._hist[t % w].copy_(out)
         return out
-
-    def _fused_step(self, t, row, w):
-        """The same forward substitution per cache-sized piece of each block, in its thread."""
-        out = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        o_all = out.numpy()
-        hist = self._hist.numpy()
-        terms = [((t - j) % w, float(row[j])) for j in range(1, min(t, w) + 1) if row[j] != 0.0] if w > 0 else []
-        diag = float(row[0])
-        slot = t % w if w > 0 else None
-
-        def post(lo, hi):
-            for a in range(lo, hi, _PIECE):
-                b = min(hi, a + _PIECE)
-                o = o_all[a:b]
-                tmp = thread_scratch("mech", b - a, o.dtype)
-                for r, c in terms:
-                    np.multiply(hist[r, a:b], c, out=tmp)
-                    np.subtract(o, tmp, out=o)
-                if diag != 1.0:
-                    np.divide(o, diag, out=o)
-                if slot is not None:
-                    np.copyto(hist[slot, a:b], o)
-
-        return self._z(t, out) if not terms and diag == 1.0 and slot is None else self._combination([(t, 1.0)], out, post)
 
     def _reset_buffers(self):
         self._hist.zero_()
@@ -421,37 +384,12 @@ class BLTGenerator(NoiseGenerator):
         return False
 
     def _raw_step(self, t):
-        if self.fused:
-            return self._fused_step(t)
         out = self._z(t)
         if t > 0:
             out.addmv_(self._buf.t(), self._alpha_t, alpha=-1.0)
         # M <- M diag(lam) + out 1^T in one fused pass over the d buffers
         torch.addcmul(out.expand_as(self._buf), self._buf, self._lam_t, out=self._buf)
         return out
-
-    def _fused_step(self, t):
-        """out = nu z_t - M alpha, then M <- M diag(lam) + out 1^T, per cache-sized piece of each
-        block in its filling thread (each buffer read and written once per step)."""
-        out = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        o_all, buf = out.numpy(), self._buf.numpy()
-        alpha, lam = [float(x) for x in self.alpha], [float(x) for x in self.lam]
-
-        def post(lo, hi):
-            for a in range(lo, hi, _PIECE):
-                b = min(hi, a + _PIECE)
-                o = o_all[a:b]
-                if t > 0:
-                    tmp = thread_scratch("mech", b - a, o.dtype)
-                    for i, al in enumerate(alpha):
-                        np.multiply(buf[i, a:b], al, out=tmp)
-                        np.subtract(o, tmp, out=o)
-                for i, la in enumerate(lam):
-                    mi = buf[i, a:b]
-                    np.multiply(mi, la, out=mi)
-                    np.add(mi, o, out=mi)
-
-        return self._combination([(t, 1.0)], out, post)
 
     def _reset_buffers(self):
         self._buf.zero_()

@@ -380,8 +380,8 @@ def thread_scratch(name: str, size: int, dtype) -> np.ndarray:
     return _worker().buf(name, size, dtype)
 
 
-def _fill_blocks(out: np.ndarray, key, terms, m: int, start: int, chunk: int, blocks, post) -> None:
-    """out[blocks ∩ shard] = sum coef Z[tau] (one thread), then ``post(lo, hi)`` per block."""
+def _fill_blocks(out: np.ndarray, key, terms, m: int, start: int, chunk: int, blocks) -> None:
+    """out[blocks ∩ shard] = sum coef Z[tau] (one thread)."""
     f64 = out.dtype == np.float64
     stop = start + out.size
     for k in blocks:
@@ -397,15 +397,11 @@ def _fill_blocks(out: np.ndarray, key, terms, m: int, start: int, chunk: int, bl
             for j, (tau, coef) in enumerate(terms):
                 draw_block(buf, key, tau, k, length, f64, coef, accumulate=j > 0)
             np.copyto(dst, buf[lo - a: hi - a])
-        if post is not None:
-            post(lo - start, hi - start)
 
 
-def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: int, post) -> None:
+def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: int) -> None:
     target = out
     if out.dtype not in (torch.float32, torch.float64) or not out.is_contiguous():
-        if post is not None:
-            raise CorrnoiseError("dtype", "a fused update needs a contiguous float32/float64 row")
         work = torch.float64 if out.dtype == torch.float64 else torch.float32
         target = torch.empty(out.numel(), dtype=work)
     arr = target.numpy()
@@ -414,10 +410,10 @@ def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: in
     blocks = list(range(start // chunk, -(-stop // chunk)))
     nthreads = min(_threads(), len(blocks))
     if nthreads <= 1:
-        _fill_blocks(arr, key, terms, m, start, chunk, blocks, post)
+        _fill_blocks(arr, key, terms, m, start, chunk, blocks)
     else:
         groups = [blocks[i * len(blocks) // nthreads:(i + 1) * len(blocks) // nthreads] for i in range(nthreads)]
-        futures = [_pool(nthreads).submit(_fill_blocks, arr, key, terms, m, start, chunk, g, post) for g in groups]
+        futures = [_pool(nthreads).submit(_fill_blocks, arr, key, terms, m, start, chunk, g) for g in groups]
         for f in futures:
             f.result()
     if target is not out:
@@ -425,17 +421,13 @@ def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: in
 
 
 def fill_noise_combination(out: torch.Tensor, seed: int, terms, m: int, start: int = 0,
-                           chunk_size: int = DEFAULT_CHUNK, post=None) -> torch.Tensor:
+                           chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
     """out = sum_i coef_i * Z[tau_i, start:start + len(out)] for ``terms`` = [(tau_i, coef_i)],
     fused block by block (no temporary beyond one block per thread on CPU).
 
     An empty ``terms`` gives zeros. The result equals the same combination of
-    :func:`seed_noise` rows (up to rounding of the sum). CPU only: ``post(lo, hi)`` is called
-    by the filling thread once out[lo:hi] is final (disjoint ranges, possibly concurrently),
-    so a mechanism update can run on cache-hot data; elsewhere ``post`` must be None.
+    :func:`seed_noise` rows (up to rounding of the sum).
     """
-    if post is not None and out.device.type != "cpu":
-        raise CorrnoiseError("device", "a fused per-block update runs on CPU only")
     stop = start + out.numel()
     if start < 0 or stop > m:
         raise CorrnoiseError("shard", f"coordinates [{start}, {stop}) do not lie in [0, {m})")
@@ -443,17 +435,14 @@ def fill_noise_combination(out: torch.Tensor, seed: int, terms, m: int, start: i
         raise CorrnoiseError("chunk_size", f"must be >= 1, got {chunk_size}")
     terms = [(int(tau), float(c)) for tau, c in terms]
     if not terms:
-        out.zero_()
-        if post is not None and out.numel():
-            post(0, out.numel())
-        return out
+        return out.zero_()
     for tau, _ in terms:
         if tau < 0:
             raise CorrnoiseError("t", f"must be >= 0, got {tau}")
     if out.numel() == 0:
         return out
     if out.device.type == "cpu":
-        _fill_cpu(out, seed, terms, m, start, chunk_size, post)
+        _fill_cpu(out, seed, terms, m, start, chunk_size)
     else:
         _fill_torch(out, seed, terms, m, start, chunk_size)
     return out
