@@ -34,7 +34,8 @@ Per-device paths (Z therefore depends on the device type, and on float32 vs floa
   SIMD ufuncs on a cache-sized block. Key = derive_key bytes 0..15. Block k of row t uses the
   counters ``(i, k, t, domain)``, i = 1 .. ceil(words / 4) (:func:`block_counter`); float32
   uses one 64-bit word per pair (low 32 bits -> u1, high -> u2), float64 two words (53 bits
-  each). ``domain`` = 0x5A00 + dtype code, so float32 and float64 draws never share a counter.
+  each). ``domain`` = 0x5A01 (float32) / 0x5A02 (float64), so the two never share a counter;
+  bfloat16/float16 rows are the float32 row rounded. Default block: 2^18 coordinates.
 * other devices (CUDA, ...) -- Philox4x32-10 written with torch integer ops
   (:func:`philox4x32`, checked against the Random123 known-answer vectors), the same on every
   device; lazily ``torch.compile``d into one kernel on CUDA when available, eager otherwise.
