@@ -1,8 +1,15 @@
-"""Noise-generation cost next to realistic training steps (issue #5, item 7).
+"""Noise-generation cost: old vs new seed-noise generator, and next to training steps.
 
+    .venv/bin/python benchmarks/bench_noise.py --compare-only [--dim 1e7] [--rounds 15]
     .venv/bin/python benchmarks/bench_noise.py [--dim 1e7] [--steps 8] [--repeats 3]
 
-Prints a markdown section for benchmarks/RESULTS.md: `corrnoise bench noise` at m = dim
+``--compare-only`` (issue #8/#15) times, in one process and interleaved round by round (so
+load from other processes hits all of them alike), one step of DP-SGD, bsr:4, BLT(4) and
+DP-CGD with the new counter-based generator and with the old per-chunk torch.Generator loop
+(frozen in benchmarks/old_seed_noise.py), next to one ``torch.randn(dim)``; it reports the
+minimum and the median over the rounds and the ratios of the minima.
+
+Without it, prints a markdown section for benchmarks/RESULTS.md: `corrnoise bench noise` at m = dim
 (median of `repeats` runs of the per-step median) and, for scale, the time of
   * forward + backward + SGD step of a ~1e7-parameter MLP at batch 256 (non-private),
   * a per-example-gradient step (torch.func vmap(grad)) + clipping of a ~1e6-parameter MLP
@@ -22,7 +29,62 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from corrnoise.noise.bench import bench_noise
+from corrnoise.noise.bench import bench_noise, bench_strategy
+
+COMPARE = ("dpsgd", "banded:4", "blt:4", "dpcgd")
+
+
+def old_vs_new(dim: int, rounds: int) -> dict:
+    """Per-step seconds (all rounds) of every COMPARE mechanism, old and new, and torch.randn."""
+    import sys
+    from pathlib import Path
+
+    from corrnoise.noise import make_generator
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from old_seed_noise import make_old_generator
+
+    n = rounds + 70
+    gens = {}
+    for name in COMPARE:
+        strategy, _ = bench_strategy(name, n)
+        gens[(name, "old")] = make_old_generator(strategy, dim, seed=1)
+        gens[(name, "new")] = make_generator(strategy, dim, seed=1)
+    buf = torch.empty(dim)
+    times = {key: [] for key in gens}
+    times["randn"] = []
+    for key, gen in gens.items():  # warm-up: allocations, thread pool, first touch
+        gen.next_flat()
+    torch.randn(dim, out=buf)
+    for _ in range(rounds):
+        t = time.perf_counter()
+        torch.randn(dim, out=buf)
+        times["randn"].append(time.perf_counter() - t)
+        for key, gen in gens.items():
+            t = time.perf_counter()
+            out = gen.next_flat()
+            times[key].append(time.perf_counter() - t)
+            del out
+    return times
+
+
+def print_compare(dim: int, rounds: int) -> None:
+    load0 = os.getloadavg()[0]
+    times = old_vs_new(dim, rounds)
+    load1 = os.getloadavg()[0]
+    lo = {k: min(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    r = lo["randn"]
+    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load average {load0:.1f} at start, {load1:.1f} at end; m = {dim:.0e} float32, {rounds} interleaved rounds\n")
+    print(f"one torch.randn({dim:.0e}): min {r * 1e3:.1f} ms, median {med['randn'] * 1e3:.1f} ms\n")
+    print("| mechanism | old ms (min / median) | new ms (min / median) | new / old | old / randn | new / randn |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in COMPARE:
+        o, n_ = ("old", "new")
+        print(f"| {name} | {lo[(name, o)] * 1e3:.1f} / {med[(name, o)] * 1e3:.1f} | "
+              f"{lo[(name, n_)] * 1e3:.1f} / {med[(name, n_)] * 1e3:.1f} | {lo[(name, n_)] / lo[(name, o)]:.2f} | "
+              f"{lo[(name, o)] / r:.2f} | {lo[(name, n_)] / r:.2f} |")
 
 
 def timed(fn, repeats: int = 7) -> float:
@@ -105,9 +167,14 @@ def main() -> None:
     ap.add_argument("--dim", type=float, default=1e7)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--compare-only", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     dim = int(args.dim)
+    if args.compare_only:
+        print_compare(dim, args.rounds)
+        return
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, load average {load:.1f} at start")

@@ -2,8 +2,8 @@
 
 For each mechanism we build its streaming generator (:func:`make_generator`) for a model of
 ``dim`` coordinates, draw one warm-up step, then time ``steps`` steps. ``extra_memory_bytes``
-is what the generator holds beyond the one m-vector it returns (buffers, the scratch chunk,
-coefficient arrays); on CUDA the measured peak allocation beyond that vector is reported too.
+is what the generator holds beyond the one m-vector it returns (buffers, coefficient arrays,
+and on CPU the seed-noise scratch: one counter block per filling thread); on CUDA the measured peak allocation beyond that vector is reported too.
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ no communication is needed to compute it. The seed noise Z is counter-based
 it, so the assembled row equals the single-process row for the same seed exactly. The row is
 then assembled with one ``all_gather`` so it can be added to the (all-reduced) gradient.
 
-All ranks must use the same seed; with ``seed=None`` rank 0 draws one and broadcasts it.
+All ranks must use the same seed; with ``seed=None`` rank 0 draws a 256-bit secret one and
+broadcasts all of its bits.
 """
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 import torch
@@ -26,10 +26,12 @@ import torch.distributed as dist
 
 from ..errors import CorrnoiseError, check_int
 from ..noise import DEFAULT_CHUNK, make_generator, resolve_dim
+from ..noise.seeds import check_seed, new_secret_seed
 from ..noise.generators import split_flat
 from .privatizer import Privatizer
 
-__all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed", "local_batch"]
+__all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed", "local_batch",
+           "seed_to_limbs", "limbs_to_seed"]
 
 
 def shard_bounds(m: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -48,17 +50,43 @@ def _world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def seed_to_limbs(seed: int) -> list[int]:
+    """A non-negative seed as little-endian 32-bit limbs (at least one), exact for any size."""
+    seed = check_seed(seed)
+    limbs = []
+    while True:
+        limbs.append(seed & 0xFFFFFFFF)
+        seed >>= 32
+        if not seed:
+            return limbs
+
+
+def limbs_to_seed(limbs) -> int:
+    """Inverse of :func:`seed_to_limbs`."""
+    return sum(int(v) << (32 * i) for i, v in enumerate(limbs))
+
+
 def broadcast_seed(seed: int | None, group=None) -> int:
-    """The same seed on every rank: ``seed`` if given (checked equal), else rank 0's random one."""
+    """The same seed on every rank: ``seed`` if given (checked equal), else rank 0's secret one.
+
+    Every bit is broadcast (the default secret has 256 bits): first the number of 32-bit
+    limbs, then the limbs, each in an int64 slot. A mismatch message never prints the seeds.
+    """
     rank, _ = _world(group)
-    value = torch.tensor([-1 if seed is None else int(seed), 0], dtype=torch.int64)
-    if rank == 0 and seed is None:
-        value[0] = secrets.randbits(62)
-    mine = value.clone()
-    dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if seed is not None and int(mine[0]) != int(value[0]):
-        raise CorrnoiseError("seed", f"ranks disagree on the noise seed ({int(mine[0])} here, {int(value[0])} on rank 0)")
-    return int(value[0])
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    if seed is not None:
+        seed = check_seed(seed)
+    mine = seed if seed is not None else (new_secret_seed() if rank == 0 else None)
+    header = torch.tensor([len(seed_to_limbs(mine)) if mine is not None else 0], dtype=torch.int64)
+    dist.broadcast(header, src=src, group=group)
+    payload = torch.zeros(int(header[0]), dtype=torch.int64)
+    if rank == 0:
+        payload.copy_(torch.tensor(seed_to_limbs(mine), dtype=torch.int64))
+    dist.broadcast(payload, src=src, group=group)
+    value = limbs_to_seed(payload.tolist())
+    if seed is not None and value != seed:
+        raise CorrnoiseError("seed", "ranks disagree on the noise seed (pass the same noise seed on every rank)")
+    return value
 
 
 class ShardedNoise:
