@@ -21,7 +21,7 @@ from .report import emit as _emit
 # pay for torch or dp_accounting at start-up: name -> "module:attribute".
 LAZY_COMMANDS = {
     "account": "corrnoise.cli.account:account_command",
-    "bench": "corrnoise.noise.bench:bench_group",
+    "bench": "corrnoise.cli.bench:bench_group",
     "optimize": "corrnoise.cli.optimize:optimize_command",
     "train": "corrnoise.train:train_command",
 }
