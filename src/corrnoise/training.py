@@ -1,0 +1,213 @@
+"""The training job behind ``corrnoise train``: a dataset, a mechanism, a budget -> a trained model.
+
+    result = train("mnist1d", mechanism="auto", epsilon=4.0, delta=1e-5)
+
+The run is the standard PyTorch loop of a user of :func:`corrnoise.torch.make_private`
+(the front door): the dataset's model (:mod:`corrnoise.models`), its published or tuned
+hyperparameters (:data:`corrnoise.datasets.DATASETS`, overridable), the mechanism and batching
+the planner recommends for the pipeline (``auto``) or the ones named, the noise calibrated to a
+formal guarantee for (epsilon, delta), and after training the privacy spent, accounted again on
+what actually ran (never above the target).
+
+``batching`` is the data pipeline the user has: ``poisson`` (Poisson sampling; block-cyclic
+Poisson for banded mechanisms), ``cyclic`` (shuffle once, fixed batches in a fixed order: no
+amplification), ``balls-in-bins`` (seed 000: fixed-size batches with amplification), or
+``auto`` (any of them: the planner picks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+from .errors import CorrnoiseError, check_int, check_real
+
+__all__ = ["train", "PIPELINES", "FAMILIES", "resolve_device"]
+
+#: the data pipelines a user may have (``--batching``)
+PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
+#: mechanism families the planner chooses among (``--mechanism``), besides explicit names
+FAMILIES = ("auto", "dpsgd", "bandmf", "blt", "dpcgd")
+
+
+def resolve_device(device: str = "auto"):
+    """``auto``: CUDA when available, else CPU; otherwise a torch device string (cpu, cuda, cuda:N)."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise CorrnoiseError("device", f"must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CorrnoiseError("device", "CUDA is not available on this machine; use --device cpu")
+    return dev
+
+
+def _sampler_batching(batching_spec: str) -> str:
+    """The front door's ``batching=`` name for an accounting SPEC (``poisson:P`` -> ``poisson``)."""
+    head = batching_spec.split(":", 1)[0]
+    return {"none": "cyclic"}.get(head, head)
+
+
+def train(
+    dataset: str = "digits",
+    mechanism: str = "auto",
+    *,
+    epsilon: float,
+    delta: float,
+    batching: str = "auto",
+    epochs: float | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    momentum: float | None = None,
+    optimizer: str | None = None,
+    clip_norm: float | None = None,
+    seed: int = 0,
+    noise_seed: int | None = None,
+    device: str = "auto",
+    data_options: dict[str, Any] | None = None,
+    max_physical_batch_size: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Plan, calibrate, train and evaluate; returns the ``corrnoise train`` JSON object.
+
+    ``mechanism``: ``auto`` (the planner's recommendation for the pipeline), a family
+    (``dpsgd``, ``bandmf``, ``blt``, ``dpcgd``: the planner's best of that family), or any
+    mechanism name or file (``bsr:4``, ``dpcgd:0.9``, ``plan/recommended.json``: trained with
+    ``batching`` as given, ``auto`` letting the front door choose). Hyperparameters left None
+    take the dataset's defaults. ``seed`` fixes the data order and the model initialization;
+    the noise seed is secret (from the OS) unless ``noise_seed`` is given.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    from .datasets import DATASETS, load
+    from .models import model_for
+    from .torch import make_private
+
+    start = time.perf_counter()
+    if dataset not in DATASETS:
+        raise CorrnoiseError("dataset", f"must be one of {', '.join(DATASETS)}, got {dataset!r}")
+    if batching not in PIPELINES:
+        raise CorrnoiseError("batching", f"must be one of {', '.join(PIPELINES)}, got {batching!r}")
+    epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    seed = check_int("seed", seed, minimum=0, maximum=(1 << 62))
+    dev = resolve_device(device)
+    hp = dict(DATASETS[dataset].defaults)
+    for key, value in (("epochs", epochs), ("batch_size", batch_size), ("lr", lr), ("momentum", momentum),
+                       ("optimizer", optimizer), ("clip_norm", clip_norm)):
+        if value is not None:
+            hp[key] = value
+    epochs = check_real("epochs", hp["epochs"], low=0.0, low_open=True, high=10000.0)
+    lr = check_real("lr", hp["lr"], low=0.0, low_open=True)
+    clip = check_real("clip_norm", hp["clip_norm"], low=0.0, low_open=True)
+    momentum = check_real("momentum", hp.get("momentum", 0.0), low=0.0, high=1.0, high_open=True)
+    if hp["optimizer"] not in ("sgd", "adam"):
+        raise CorrnoiseError("optimizer", f"must be sgd or adam, got {hp['optimizer']!r}")
+
+    data = load(dataset, **(data_options or {}))
+    n_ex = len(data.y_train)
+    batch = check_int("batch_size", hp["batch_size"], minimum=1, maximum=n_ex)
+
+    choice = choose_mechanism(mechanism, num_examples=n_ex, batch_size=batch, epochs=epochs, epsilon=epsilon,
+                              delta=delta, pipeline=batching, progress=progress)
+    planned = time.perf_counter()
+
+    torch.manual_seed(seed)
+    model = model_for(dataset).to(dev)
+    params = model.parameters()
+    opt = (torch.optim.SGD(params, lr=lr, momentum=momentum) if hp["optimizer"] == "sgd"
+           else torch.optim.Adam(params, lr=lr))
+    xtr, ytr, xte, yte = data.tensors()
+    loader = DataLoader(torch.utils.data.TensorDataset(xtr, ytr), batch_size=batch)
+    model, opt, loader = make_private(
+        model, opt, loader, mechanism=choice["mechanism"], batching=choice["batching"], delta=delta,
+        epochs=epochs, max_grad_norm=clip, seed=seed, noise_seed=noise_seed,
+        max_physical_batch_size=max_physical_batch_size, **choice["noise"])
+    criterion = torch.nn.CrossEntropyLoss()
+    loss_sum, loss_count, done = 0.0, 0, 0
+    model.train()
+    while opt.steps_taken < opt.steps:
+        for x, y in loader:
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            loss = criterion(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if len(y):
+                loss_sum += float(loss.detach()) * len(y)
+                loss_count += len(y)
+            done += 1
+            if progress is not None:
+                progress("training", opt.steps_taken, opt.steps)
+    trained = time.perf_counter()
+
+    spent = opt.privacy_spent()
+    if spent.kind != "guarantee" or spent.epsilon > epsilon * (1 + 1e-9):
+        raise RuntimeError(f"accounted epsilon {spent.epsilon} ({spent.kind}) exceeds the budget {epsilon}")
+
+    model.eval()
+    with torch.no_grad():
+        test_acc = _accuracy(model, xte, yte, dev)
+        train_acc = _accuracy(model, xtr, ytr, dev)
+    return {
+        "dataset": dataset,
+        "mechanism": choice["label"],
+        "strategy": opt.strategy.label,
+        "batching": opt.batching.spec,
+        "pipeline": batching,
+        "accounting": spent.method,
+        "kind": spent.kind,
+        "epsilon_target": epsilon,
+        "epsilon": spent.epsilon,
+        "delta": spent.delta,
+        "noise_std": opt.noise_std,
+        "noise_multiplier": opt.noise_multiplier,
+        "steps": opt.steps_taken,
+        "batch_size": batch,
+        "epochs": epochs,
+        "lr": lr,
+        "clip_norm": clip,
+        "test_accuracy": test_acc,
+        "train_accuracy": train_acc,
+        "train_loss": loss_sum / loss_count if loss_count else math.nan,
+        "device": str(dev),
+        "seconds_planning": planned - start,
+        "seconds_training": trained - planned,
+        "seconds": time.perf_counter() - start,
+        "candidates": choice.get("candidates", []),
+    }
+
+
+def _accuracy(model, x, y, dev, chunk: int = 4096) -> float:
+    import torch
+
+    correct = 0
+    for i in range(0, len(y), chunk):
+        out = model(x[i:i + chunk].to(dev))
+        correct += int((out.argmax(dim=1).cpu() == y[i:i + chunk]).sum())
+    return correct / max(len(y), 1)
+
+
+def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epochs: float, epsilon: float,
+                     delta: float, pipeline: str, progress=None) -> dict[str, Any]:
+    """What to train: ``{"mechanism", "batching", "noise", "label", "candidates"}``.
+
+    Families and ``auto`` go to the planner (:mod:`corrnoise.planner`), which returns the
+    mechanism, its batching for the pipeline and the noise of a formal guarantee; an explicit
+    name is trained as named and calibrated by the front door for ``epsilon``.
+    """
+    if mechanism in FAMILIES:
+        from .planner import recommend
+
+        rec = recommend(dataset_size=num_examples, batch_size=batch_size, epochs=epochs, epsilon=epsilon,
+                        delta=delta, pipeline=pipeline, only=None if mechanism == "auto" else (mechanism,),
+                        progress=progress)
+        return {"mechanism": rec.strategy, "batching": _sampler_batching(rec.batching), "label": rec.mechanism,
+                "noise": {"noise_std": rec.noise_std}, "candidates": rec.summary}
+    explicit = "auto" if pipeline == "auto" else pipeline
+    return {"mechanism": mechanism, "batching": explicit, "label": mechanism, "noise": {"epsilon": epsilon}}
