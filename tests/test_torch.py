@@ -217,11 +217,11 @@ def test_bands_beyond_blocks_are_refused():
     sampler = BlockCyclicPoissonSampler(100, 2, 0.1, 20, seed=0)
     with pytest.raises(CorrnoiseError) as e:  # tutorial Thm 3.21 needs bands <= blocks
         check_agreement(parse_strategy("bsr:4", 20), sampler=sampler, method="bandmf")
-    _one_line(e, "bands")
+    _one_line(e, "batching")  # the accounting gate's parameter, as from account() (tests/test_gate.py)
     if not method_available("mmcc"):
         with pytest.raises(CorrnoiseError) as e:
             check_agreement(parse_strategy("bsr:4", 20), sampler=sampler)
-        _one_line(e, "bands")
+        _one_line(e, "batching")
     assert check_agreement(parse_strategy("bsr:2", 20), sampler=sampler).method == "bandmf"
 
 
@@ -231,11 +231,11 @@ def test_poisson_with_a_banded_mechanism_is_refused():
     sampler = PoissonSampler(100, 0.1, 20, seed=0)
     with pytest.raises(CorrnoiseError) as e:  # DP-SGD accounting needs a diagonal C
         check_agreement(parse_strategy("bsr:2", 20), sampler=sampler, method="pld")
-    _one_line(e, "batching")
+    _one_line(e, "method")  # the accounting gate's parameter, as from account(..., method="pld")
     if not method_available("mmcc"):  # else MMCC (seed 001) accounts it
         with pytest.raises(CorrnoiseError) as e:
             check_agreement(parse_strategy("bsr:2", 20), sampler=sampler)
-        _one_line(e, "batching")
+        _one_line(e, "method")
 
 
 def test_accounting_must_match_the_sampler():

@@ -79,14 +79,17 @@ def _mean_error(strategy) -> float:
     return float(error_summary(strategy, None)[0])
 
 
-def _calibrated(strategy, batching, epsilon, delta):
-    from .accounting import calibrate
-    from .accounting.base import method_accepts, prepare, require_guarantee
+def _calibrated(strategy, batching, epsilon, delta, method: str = "auto"):
+    """The calibrated accounting of one candidate: its MechanismEvent passes the accounting gate
+    (which checks every precondition of the method), then calibrate."""
+    from .accounting import MechanismEvent, calibrate, prepare
+    from .accounting.base import method_accepts, require_guarantee
 
-    spec = prepare(strategy, batching, delta)[0]
+    event = MechanismEvent(strategy, batching)
+    spec = prepare(event, method)
     # the coarser PLD grid where the method has one (options a method lacks are refused)
     opts = {"discretization": PLAN_DISCRETIZATION} if method_accepts(spec, "discretization") else {}
-    return require_guarantee(calibrate(strategy, batching, epsilon=epsilon, delta=delta, **opts), "train")
+    return require_guarantee(calibrate(event, epsilon=epsilon, delta=delta, method=method, **opts), "train")
 
 
 def _plan_one(name: str, num_examples: int, batch_size: int, epochs: float, epsilon: float, delta: float,

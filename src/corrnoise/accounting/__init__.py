@@ -14,8 +14,11 @@ Methods (``method=``; ``auto`` chooses, see :func:`choose_method`):
 ``mmcc``      any non-negative C with Poisson / block-cyclic sampling (seed 001), if present
 ``mc``        balls-in-bins Monte Carlo accounting (seed 000), if present
 
-New methods register themselves with :func:`register_method` (see :mod:`.base`); the
-``mmcc`` and ``mc`` modules are imported on first use.
+What ran is a :class:`MechanismEvent` (mechanism, batching, noise, steps); ``account`` and
+``calibrate`` take one (or, as before, a strategy and a batching).  Every event passes one gate,
+:func:`prepare` (:mod:`.gate`), which runs the named preconditions (:mod:`.preconditions`) the
+method registered.  New methods register themselves with :func:`register_method` (see
+:mod:`.base`); the ``mmcc`` and ``mc`` modules are imported on first use.
 """
 
 from .base import (
@@ -27,8 +30,6 @@ from .base import (
     NoBatching,
     Poisson,
     PrivacyResult,
-    account,
-    choose_method,
     column_norm,
     get_method,
     method_available,
@@ -37,15 +38,17 @@ from .base import (
     registered_methods,
     resolve_noise_std,
 )
+from .event import MechanismEvent
+from .gate import account, choose_method, prepare
 from .calibrate import calibrate, calibrate_noise
 from .gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
 from .dpsgd import dpsgd_epsilon, dpsgd_event  # noqa: E402  (registers pld, rdp)
 from .bandmf import DpsgdEquivalent, dpsgd_equivalent  # noqa: E402  (registers bandmf)
 
 __all__ = [
-    "KNOWN_METHODS", "BallsInBins", "Batching", "BlockCyclic", "DpsgdEquivalent", "MethodSpec", "NoBatching",
-    "Poisson", "PrivacyResult", "account", "calibrate", "calibrate_noise", "choose_method", "column_norm",
+    "KNOWN_METHODS", "BallsInBins", "Batching", "BlockCyclic", "DpsgdEquivalent", "MechanismEvent", "MethodSpec",
+    "NoBatching", "Poisson", "PrivacyResult", "account", "calibrate", "calibrate_noise", "choose_method", "column_norm",
     "dpsgd_epsilon", "dpsgd_equivalent", "dpsgd_event", "gaussian_delta", "gaussian_epsilon", "gaussian_mu",
-    "get_method", "method_available", "parse_batching", "register_method", "registered_methods",
+    "get_method", "method_available", "parse_batching", "prepare", "register_method", "registered_methods",
     "resolve_noise_std",
 ]

@@ -17,8 +17,12 @@ PoissonSampled(p, Gaussian(nu / ||C[:, t]||)), and epsilon is the largest over b
 (blocks visited ceil(n / blocks) or floor(n / blocks) times, the last columns of a banded C cut
 short) and for C with unequal column norms; with equal norms and blocks | n it is the DP-SGD run
 above.  The sign of C's entries does not matter here.  Poisson sampling every step is the case blocks = 1, which
-needs a diagonal C (DP-SGD).  A C with more bands than blocks is refused (MMCC, seed 001 App. D,
-handles it when available).
+needs a diagonal C (DP-SGD).
+
+Preconditions (square C, bands <= blocks, diagonal C for Poisson) are registered with the method
+(:data:`~corrnoise.accounting.dpsgd.DPSGD_PRECONDITIONS`) and checked once, by the gate
+(:func:`corrnoise.accounting.gate.prepare`), before any function here runs: the math below
+assumes them (a C with more bands than blocks goes to MMCC, seed 001 App. D, when available).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 
 from ..errors import CorrnoiseError
 from .base import BlockCyclic, Poisson, PrivacyResult, column_norm, register_method
-from .dpsgd import ACCOUNTANTS, DEFAULT_DISCRETIZATION, dpsgd_epsilon, event_epsilon
+from .dpsgd import ACCOUNTANTS, DEFAULT_DISCRETIZATION, DPSGD_PRECONDITIONS, dpsgd_epsilon, event_epsilon
 
 __all__ = ["DpsgdEquivalent", "dpsgd_equivalent", "block_visit_norms", "bandmf_epsilon", "account_bandmf"]
 
@@ -64,19 +68,22 @@ class DpsgdEquivalent:
 def dpsgd_equivalent(strategy, batching: BlockCyclic | Poisson, noise_std: float) -> DpsgdEquivalent:
     """Tutorial Thm 3.21: (steps', p, sigma) = (ceil(n / blocks), p, noise_std / ||C||_col).
 
-    Raises CorrnoiseError if C has more bands than blocks or is not square.
+    A public entry point, so the event passes the gate first (method ``bandmf``): a C that is not
+    square or has more bands than blocks raises the gate's one-line CorrnoiseError.
     """
+    from .event import MechanismEvent
+    from .gate import prepare
+
+    prepare(MechanismEvent(strategy, batching, noise_std), "bandmf")
+    return _dpsgd_equivalent(strategy, batching, noise_std)
+
+
+def _dpsgd_equivalent(strategy, batching: BlockCyclic | Poisson, noise_std: float) -> DpsgdEquivalent:
+    """:func:`dpsgd_equivalent` for an event the gate has passed: assumes the theorem's hypotheses
+    (square C with bands <= blocks; blocks = 1 for Poisson,
+    :data:`~corrnoise.accounting.dpsgd.DPSGD_PRECONDITIONS`)."""
     blocks = batching.blocks if isinstance(batching, BlockCyclic) else 1
-    if strategy.rows != strategy.n:
-        raise CorrnoiseError("mechanism", f"{strategy.label} has {strategy.rows} rows for {strategy.n} steps; "
-                             "block-cyclic amplification needs a square lower-triangular C")
     bands = int(strategy.bands)
-    if bands > blocks:
-        raise CorrnoiseError(
-            "batching",
-            f"{strategy.label} has {bands} bands > {blocks} blocks; block-cyclic amplification (tutorial Thm 3.21) "
-            f"needs bands <= blocks: use block-cyclic:{bands}:P or more blocks, or --method mmcc",
-        )
     norm = column_norm(strategy)
     return DpsgdEquivalent(
         steps=-(-strategy.n // blocks),
@@ -166,14 +173,14 @@ def bandmf_epsilon(strategy, batching, noise_std: float, delta: float, accountan
                                                        "exact_visit_norms": bool(exact)}
 
 
-@register_method("bandmf", batchings=(BlockCyclic, Poisson),
+@register_method("bandmf", batchings=(BlockCyclic, Poisson), preconditions=DPSGD_PRECONDITIONS,
                  description="banded MF with block-cyclic Poisson sampling (tutorial Thm 3.21) via DP-SGD accounting")
 def account_bandmf(strategy, batching, noise_std: float, delta: float, accountant: str = "pld",
                    discretization: float = DEFAULT_DISCRETIZATION) -> PrivacyResult:
     """Amplified banded MF: each block's visits composed exactly in dp_accounting (PLD by default)."""
     if accountant not in ACCOUNTANTS:
         raise CorrnoiseError("accountant", f"expected one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
-    eq = dpsgd_equivalent(strategy, batching, noise_std)
+    eq = _dpsgd_equivalent(strategy, batching, noise_std)  # the gate has checked Thm 3.21's hypotheses
     eps, info = bandmf_epsilon(strategy, batching, float(noise_std), delta, accountant, discretization)
     if math.isnan(eps):  # pragma: no cover - defensive
         raise RuntimeError(f"dp_accounting returned epsilon {eps!r}")

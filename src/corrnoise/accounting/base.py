@@ -3,14 +3,16 @@
 Every privacy analysis in corrnoise answers the same question -- *mechanism C + batching scheme +
 noise level -> (epsilon, delta)* -- and is a plain function registered under a short name::
 
-    @register_method("mmcc", batchings=(Poisson, BlockCyclic), requires_nonnegative=True)
+    @register_method("mmcc", batchings=(Poisson, BlockCyclic),
+                     preconditions=(require_square, require_nonnegative))
     def account_mmcc(strategy, batching, noise_std, delta, **options) -> PrivacyResult: ...
 
 The values here are small and immutable, in the spirit of dp_accounting's DpEvents: a batching
-spec says *how batches are formed*; a :class:`PrivacyResult` says *what was proved*.  The
-dispatcher (:func:`corrnoise.accounting.account`) validates the common inputs (noise_std > 0,
-delta in (0, 1), the batching a method supports, non-negative C where the method needs it)
-before calling a method, so method functions may assume them.
+spec says *how batches are formed*; a :class:`PrivacyResult` says *what was proved*.  What ran is
+a :class:`~corrnoise.accounting.event.MechanismEvent`; the one gate
+(:func:`corrnoise.accounting.gate.prepare`) checks the batching a method supports and the
+preconditions it registered (:mod:`corrnoise.accounting.preconditions`: square C, non-negative C,
+bands <= blocks ...) before calling it, so method functions may assume them.
 
 Conventions (DESIGN.md): ``noise_std`` (nu) is the standard deviation of every entry of Z in
 units of the clip norm; ``noise_multiplier`` (sigma) = nu / ||C||_col.  Zero-out (add/remove)
@@ -286,6 +288,14 @@ class MethodSpec:
     options: tuple[str, ...] = ()
     description: str = ""
     delta_of: Callable[..., PrivacyResult] | None = None
+    #: The method's theorem hypotheses, as named functions of a MechanismEvent
+    #: (:mod:`corrnoise.accounting.preconditions`), run in order by the gate
+    #: (:func:`corrnoise.accounting.gate.prepare`) before the method is called.
+    preconditions: tuple[Callable[..., Any], ...] = ()
+
+    def supports(self, batching: Batching) -> bool:
+        """Whether the method analyses this kind of batching at all."""
+        return isinstance(batching, self.batchings)
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -311,11 +321,16 @@ def register_method(
     options: tuple[str, ...] = (),
     description: str = "",
     delta_of: Callable[..., PrivacyResult] | None = None,
+    preconditions: tuple[Callable[..., Any], ...] | None = None,
 ) -> Callable[[AccountFn], AccountFn]:
     """Decorator registering ``fn(strategy, batching, noise_std, delta, **options)`` as ``name``.
 
     ``batchings``: the :class:`Batching` classes the method can analyse.
-    ``requires_nonnegative``: the dispatcher refuses a C with negative entries.
+    ``preconditions``: the named hypotheses of the method's theorem
+    (:mod:`corrnoise.accounting.preconditions`), checked in order by the one gate
+    :func:`corrnoise.accounting.gate.prepare`; the method may then assume them.  None (the
+    default) means :func:`~.preconditions.require_square` for a method of amplified batchings.
+    ``requires_nonnegative``: shorthand adding :func:`~.preconditions.require_nonnegative`.
     ``calibrate``: optional native calibration ``(strategy, batching, epsilon, delta, **options)``
     (e.g. Monte Carlo bisection on common random numbers); otherwise the generic bisection of
     :mod:`corrnoise.accounting.calibrate` is used.
@@ -325,20 +340,36 @@ def register_method(
     attached and not ``--json``), ``accountant``, ``discretization``.
     """
 
+    checks = _preconditions(batchings, requires_nonnegative, preconditions)
+
     def decorate(fn: AccountFn) -> AccountFn:
         _REGISTRY[name] = MethodSpec(
             name=name,
             account=fn,
             batchings=tuple(batchings),
-            requires_nonnegative=requires_nonnegative,
+            requires_nonnegative=any(getattr(c, "__name__", "") == "require_nonnegative" for c in checks),
             calibrate=calibrate,
             options=tuple(options),
             description=description or _first_line(fn.__doc__),
             delta_of=delta_of,
+            preconditions=checks,
         )
         return fn
 
     return decorate
+
+
+def _preconditions(batchings, requires_nonnegative: bool, preconditions) -> tuple[Callable[..., Any], ...]:
+    """The precondition functions of a method being registered (see :func:`register_method`)."""
+    from . import preconditions as pre  # imports this module: only once it is fully loaded
+
+    if preconditions is None:
+        amplified = any(getattr(cls, "amplified", True) for cls in batchings)
+        preconditions = (pre.require_square,) if amplified else ()
+    checks = tuple(preconditions)
+    if requires_nonnegative and pre.require_nonnegative not in checks:
+        checks += (pre.require_nonnegative,)
+    return checks
 
 
 def _first_line(text: str | None) -> str:
@@ -392,75 +423,8 @@ def column_norm(strategy) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Dispatcher
+# Method options
 # ----------------------------------------------------------------------------------------------
-def _supports(name: str, batching: Batching) -> bool:
-    return method_available(name) and isinstance(batching, get_method(name).batchings)
-
-
-def choose_method(strategy, batching: Batching) -> str:
-    """``--method auto`` (DESIGN.md): none -> gaussian; Poisson with a diagonal C (DP-SGD) -> pld;
-    block-cyclic with bands <= blocks -> bandmf (tutorial Thm 3.21); any other Poisson or
-    block-cyclic -> mmcc (seed 001) when available; balls-in-bins -> mc (seed 000)."""
-    batching = parse_batching(batching)
-    label, bands = strategy.label, strategy.bands
-    if not batching.amplified:
-        return "gaussian"
-    if isinstance(batching, Poisson):
-        if bands <= 1 and strategy.rows == strategy.n:
-            return "pld"
-        if _supports("mmcc", batching):
-            return "mmcc"
-        raise CorrnoiseError(
-            "method",
-            f"Poisson sampling of {label} ({bands} bands) needs MMCC, which is not available in this build; "
-            f"use --batching block-cyclic:BLOCKS:P with BLOCKS >= {bands}, or --batching none",
-        )
-    if isinstance(batching, BlockCyclic):
-        if bands <= batching.blocks:
-            return "bandmf"
-        if _supports("mmcc", batching):
-            return "mmcc"
-        raise CorrnoiseError(
-            "batching",
-            f"{label} has {bands} bands > {batching.blocks} blocks; block-cyclic amplification (tutorial "
-            f"Thm 3.21) needs bands <= blocks: use block-cyclic:{bands}:P or more, or a mechanism with fewer bands",
-        )
-    if isinstance(batching, BallsInBins):
-        if _supports("mc", batching):
-            return "mc"
-        raise CorrnoiseError("method", "balls-in-bins batching needs the Monte Carlo method (mc), "
-                             "which is not available in this build")
-    raise CorrnoiseError("batching", f"no accounting method for {batching!r}")
-
-
-def prepare(strategy, batching, delta, method: str = "auto") -> tuple[MethodSpec, Batching, float]:
-    """Validate what every method assumes; return (method, batching, delta)."""
-    batching = parse_batching(batching)
-    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
-    if not isinstance(method, str):
-        raise CorrnoiseError("method", f"expected a method name, got {method!r}")
-    name = choose_method(strategy, batching) if method == "auto" else method
-    spec = get_method(name)
-    if not isinstance(batching, spec.batchings):
-        kinds = ", ".join(sorted(_BATCHING_NAMES.get(cls, cls.__name__) for cls in spec.batchings))
-        raise CorrnoiseError("method", f"{name} does not analyse {batching.spec} batching (it handles: {kinds}); "
-                             f"use --method auto")
-    if batching.amplified:
-        if strategy.rows != strategy.n:
-            raise CorrnoiseError(
-                "mechanism", f"{strategy.label} has {strategy.rows} rows for {strategy.n} steps; amplified "
-                "accounting needs a square lower-triangular C (use --batching none)")
-        if spec.requires_nonnegative and not strategy.is_nonnegative():
-            raise CorrnoiseError(
-                "mechanism", f"{strategy.label} has negative entries; {name} amplification needs a non-negative C "
-                "(use a non-negative mechanism or --batching none)")
-    return spec, batching, delta
-
-
-_BATCHING_NAMES = {NoBatching: "none", Poisson: "poisson", BlockCyclic: "block-cyclic", BallsInBins: "balls-in-bins"}
-
-
 #: Options that only steer the display: a method that does not take them just shows no progress.
 DISPLAY_OPTIONS = ("progress",)
 #: The positional inputs of account / calibrate functions: never options.
@@ -524,32 +488,11 @@ def resolve_noise_std(strategy, noise_std: Any = None, noise_multiplier: Any = N
     return sigma * column_norm(strategy)
 
 
-def account(strategy, batching, *, delta=None, noise_std=None, noise_multiplier=None, epsilon=None,
-            method: str = "auto", **options: Any) -> PrivacyResult:
-    """(epsilon, delta) of ``strategy`` under ``batching`` with the given noise (one of
-    ``noise_std`` or ``noise_multiplier``), by ``method`` (``auto`` picks as :func:`choose_method`):
-    epsilon(delta) given ``delta``, or delta(epsilon) given ``epsilon`` (:func:`.delta.account_delta`).
+def __getattr__(name: str):
+    """``account``, ``choose_method``, ``prepare`` and ``_annotate`` moved to :mod:`.gate`; still
+    importable from here (lazily: the gate imports this module)."""
+    if name in ("account", "choose_method", "prepare", "_annotate"):
+        from . import gate
 
-    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to the method; one it does not
-    take raises, naming it.
-    """
-    if (delta is None) == (epsilon is None):
-        raise CorrnoiseError("delta", "give exactly one of delta (for epsilon(delta)) and epsilon (for delta(epsilon))")
-    if epsilon is not None:
-        from .delta import account_delta
-
-        return account_delta(strategy, batching, epsilon=epsilon, noise_std=noise_std,
-                             noise_multiplier=noise_multiplier, method=method, **options)
-    nu = resolve_noise_std(strategy, noise_std, noise_multiplier)
-    spec, batching, delta = prepare(strategy, batching, delta, method)
-    result = spec.account(strategy, batching, nu, delta, **method_options(spec, options))
-    if not isinstance(result, PrivacyResult) or math.isnan(result.epsilon):
-        raise RuntimeError(f"accounting method {spec.name} returned {result!r}")
-    return _annotate(result, strategy, batching)
-
-
-def _annotate(result: PrivacyResult, strategy, batching: Batching) -> PrivacyResult:
-    context = {"mechanism": strategy.label, "n": int(strategy.n), "batching": batching.spec}
-    return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, result.method,
-                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}},
-                         result.kind)
+        return getattr(gate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

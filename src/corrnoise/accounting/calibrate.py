@@ -18,7 +18,9 @@ import math
 from typing import Any, Callable
 
 from ..errors import CorrnoiseError, check_real
-from .base import PrivacyResult, _annotate, column_norm, method_accepts, method_options, prepare, require_guarantee
+from .base import PrivacyResult, column_norm, method_accepts, method_options, require_guarantee
+from .event import as_event
+from .gate import _annotate, prepare
 
 __all__ = ["calibrate", "calibrate_noise", "DEFAULT_RTOL"]
 
@@ -116,9 +118,10 @@ def calibrate_noise(
     return hi, e_hi, evaluations
 
 
-def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol: float = DEFAULT_RTOL,
+def calibrate(event_or_strategy, batching=None, *, epsilon, delta, method: str = "auto", rtol: float = DEFAULT_RTOL,
               **options: Any) -> PrivacyResult:
-    """The smallest noise_std for which ``strategy`` under ``batching`` is (epsilon, delta)-DP.
+    """The smallest noise_std for which a MechanismEvent without noise (or ``strategy`` under
+    ``batching``) is (epsilon, delta)-DP; the event passes the gate (:func:`.gate.prepare`) first.
 
     Uses the method's native calibration when it has one, else :func:`calibrate_noise` on its
     ``account`` function.  The result is the accounting at the returned noise (its ``epsilon``
@@ -127,11 +130,17 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
     (:func:`~corrnoise.accounting.base.require_guarantee`).
     """
     target = check_real("epsilon", epsilon, low=0.0, low_open=True)
-    spec, batching, delta = prepare(strategy, batching, delta, method)
+    event = as_event(event_or_strategy, batching)
+    if event.noise_std is not None:
+        raise CorrnoiseError("noise_std", "calibrate finds the noise; pass the event without noise_std "
+                             "(event.without_noise())")
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    spec = prepare(event, method)
+    strategy, batching = event.mechanism, event.batching
     if spec.calibrate is not None:
         result = spec.calibrate(strategy, batching, target, delta, **method_options(spec, options, calibrating=True))
         require_guarantee(result, "calibrate")
-        return _annotate(result.with_extras(target_epsilon=target), strategy, batching)
+        return _annotate(result.with_extras(target_epsilon=target), event)
 
     opts = method_options(spec, options)
     cache: dict[float, PrivacyResult] = {}
@@ -152,4 +161,4 @@ def calibrate(strategy, batching, *, epsilon, delta, method: str = "auto", rtol:
     require_guarantee(cache[noise_std], "calibrate")
     result = cache[noise_std].with_extras(target_epsilon=target, calibration_evaluations=evaluations + fine,
                                           calibration_rtol=rtol)
-    return _annotate(result, strategy, batching)
+    return _annotate(result, event)

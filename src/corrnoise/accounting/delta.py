@@ -12,7 +12,8 @@ import math
 from typing import Any
 
 from ..errors import CorrnoiseError, check_real
-from .base import PrivacyResult, _annotate, method_options, prepare, require_guarantee, resolve_noise_std
+from .base import PrivacyResult, method_options, require_guarantee
+from .gate import _annotate, noisy_event, prepare
 
 __all__ = ["account_delta", "bisect_delta"]
 
@@ -43,14 +44,16 @@ def bisect_delta(epsilon_of, epsilon: float, rtol: float = 1e-3) -> float:
     return hi
 
 
-def account_delta(strategy, batching, *, epsilon, noise_std=None, noise_multiplier=None, method: str = "auto",
-                  **options: Any) -> PrivacyResult:
-    """delta(epsilon) of ``strategy`` under ``batching`` at the given noise: the method's direct
+def account_delta(event_or_strategy, batching=None, *, epsilon, noise_std=None, noise_multiplier=None,
+                  method: str = "auto", **options: Any) -> PrivacyResult:
+    """delta(epsilon) of a MechanismEvent (or ``strategy`` under ``batching``) at the given noise,
+    after the gate (:func:`.gate.prepare`): the method's direct
     ``delta_of`` when registered, else :func:`bisect_delta` on its epsilon(delta).  The result's
     ``epsilon`` is the target and ``delta`` what is proved for it (``extras["delta_of_epsilon"]``)."""
     epsilon = check_real("epsilon", epsilon, low=0.0)
-    nu = resolve_noise_std(strategy, noise_std, noise_multiplier)
-    spec, batching, _ = prepare(strategy, batching, 0.5, method)
+    event = noisy_event(event_or_strategy, batching, noise_std, noise_multiplier)
+    spec = prepare(event, method)
+    strategy, batching, nu = event.mechanism, event.batching, event.noise_std
     if spec.delta_of is not None:
         result = spec.delta_of(strategy, batching, nu, epsilon, **method_options(spec, options))
     else:
@@ -65,4 +68,4 @@ def account_delta(strategy, batching, *, epsilon, noise_std=None, noise_multipli
         found = cache[delta]
         result = PrivacyResult(epsilon, delta, found.noise_std, found.noise_multiplier, found.method,
                                {**found.extras, "epsilon_at_delta": found.epsilon}, found.kind)
-    return _annotate(result.with_extras(delta_of_epsilon=True), strategy, batching)
+    return _annotate(result.with_extras(delta_of_epsilon=True), event)

@@ -19,8 +19,13 @@ import math
 
 from ..errors import CorrnoiseError, check_int, check_real
 from .base import BlockCyclic, Poisson, PrivacyResult, register_method
+from .preconditions import require_bands_within_blocks, require_diagonal_for_poisson, require_square
 
-__all__ = ["ACCOUNTANTS", "DEFAULT_DISCRETIZATION", "dpsgd_event", "dpsgd_epsilon", "event_epsilon", "account_pld",
+#: Hypotheses of DP-SGD accounting (Poisson: diagonal C) and of its block-cyclic reduction
+#: (tutorial Thm 3.21: square C, bands <= blocks), checked by the gate before these methods run.
+DPSGD_PRECONDITIONS = (require_square, require_diagonal_for_poisson, require_bands_within_blocks)
+
+__all__ = ["ACCOUNTANTS", "DEFAULT_DISCRETIZATION", "DPSGD_PRECONDITIONS", "dpsgd_event", "dpsgd_epsilon", "event_epsilon", "account_pld",
            "account_rdp"]
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -107,28 +112,23 @@ def _account_dpsgd(strategy, batching, noise_std, delta, accountant, discretizat
                                 discretization=discretization)
         return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, accountant,
                              result.extras, result.kind)
-    if strategy.bands > 1:
-        raise CorrnoiseError(
-            "method",
-            f"{accountant} accounts DP-SGD (diagonal C) under Poisson sampling, but {strategy.label} has "
-            f"{strategy.bands} bands: use --method mmcc, or --batching block-cyclic:{strategy.bands}:P",
-        )
-    from .bandmf import dpsgd_equivalent
+    # Poisson: C is diagonal (require_diagonal_for_poisson, checked by the gate)
+    from .bandmf import _dpsgd_equivalent
 
-    eq = dpsgd_equivalent(strategy, batching, noise_std)
+    eq = _dpsgd_equivalent(strategy, batching, noise_std)
     eps = dpsgd_epsilon(eq.noise_multiplier, eq.sampling_probability, eq.steps, delta, accountant, discretization)
     return PrivacyResult(eps, delta, noise_std, eq.noise_multiplier, accountant,
                          {**eq.to_extras(), "accountant": accountant})
 
 
-@register_method("pld", batchings=(Poisson, BlockCyclic),
+@register_method("pld", batchings=(Poisson, BlockCyclic), preconditions=DPSGD_PRECONDITIONS,
                  description="DP-SGD with Poisson sampling: dp_accounting PLD accountant")
 def account_pld(strategy, batching, noise_std, delta, discretization: float = DEFAULT_DISCRETIZATION):
     """DP-SGD (diagonal C) with Poisson sampling, privacy loss distributions (dp_accounting)."""
     return _account_dpsgd(strategy, batching, noise_std, delta, "pld", discretization)
 
 
-@register_method("rdp", batchings=(Poisson, BlockCyclic),
+@register_method("rdp", batchings=(Poisson, BlockCyclic), preconditions=DPSGD_PRECONDITIONS,
                  description="DP-SGD with Poisson sampling: dp_accounting RDP accountant")
 def account_rdp(strategy, batching, noise_std, delta):
     """DP-SGD (diagonal C) with Poisson sampling, Renyi DP (dp_accounting; looser than PLD)."""

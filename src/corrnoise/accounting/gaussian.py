@@ -24,6 +24,7 @@ from scipy.special import log_ndtr
 
 from ..errors import CorrnoiseError, check_real
 from .base import NoBatching, PrivacyResult, column_norm, register_method
+from .preconditions import require_participation_fits
 
 __all__ = [
     "gaussian_delta",
@@ -126,6 +127,7 @@ def delta_gaussian(strategy, batching: NoBatching, noise_std: float, epsilon: fl
 
 
 @register_method("gaussian", batchings=(NoBatching,), calibrate=calibrate_gaussian, delta_of=delta_gaussian,
+                 preconditions=(require_participation_fits,),
                  description="exact Gaussian mechanism / mu-GDP, no amplification")
 def account_gaussian(strategy, batching: NoBatching, noise_std: float, delta: float) -> PrivacyResult:
     """Unamplified: mu = sens(C, Pi) / noise_std, epsilon from the exact GDP profile."""

@@ -12,13 +12,13 @@ expected batch size (:mod:`.privatizer`), then the wrapped ``torch.optim`` optim
 update (SGD, momentum, Adam, ...: any first-order rule is post-processing of g_hat_t; the
 tutorial recommends the prefix-sum workload whatever the optimizer, Sec. 4.4.1).
 
-Before anything runs, :func:`check_agreement` checks that the sampler that forms the batches,
-the mechanism C that correlates the noise, and the accounting that calibrates nu describe the
-same run: the number of steps fits the mechanism, the accounting is the one the sampler
-supports, block-cyclic sampling has at least as many blocks as C has bands (tutorial
-Thm 3.21), Poisson sampling on every step has a diagonal C (or MMCC), the participation
-schema of unamplified accounting is the sampler's own. A mismatch is one CorrnoiseError
-naming the parameter.
+Before anything runs, :func:`check_agreement` checks that the sampler that forms the batches
+and the accounting describe the same run (same scheme, same rate, the sampler's participation
+covered by the accounted schema); what runs is then one
+:class:`~corrnoise.accounting.MechanismEvent`, and whether the accounting method may analyse it
+(steps within the mechanism, bands <= blocks, square or non-negative C ...) is decided by the one
+accounting gate, :func:`corrnoise.accounting.prepare` -- nothing here repeats those checks. A
+mismatch is one CorrnoiseError naming the parameter.
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ import torch
 from ..accounting import (
     BallsInBins,
     BlockCyclic,
+    MechanismEvent,
     NoBatching,
     Poisson,
     PrivacyResult,
     account,
     calibrate,
-    method_available,
     parse_batching,
+    prepare,
 )
-from ..accounting.base import prepare, require_guarantee
+from ..accounting.base import require_guarantee
+from ..accounting.event import leading_strategy
 from ..errors import CorrnoiseError, check_int, check_real
 from ..participation import Cyclic, MinSep, Single, parse_participation
 from ..sampling import (
@@ -50,7 +52,7 @@ from ..sampling import (
     CyclicSampler,
     PoissonSampler,
 )
-from ..strategies import ColumnNormalized, Strategy, Tree, parse_strategy
+from ..strategies import Strategy, parse_strategy
 from .per_example import clipped_gradient_sum, trainable_parameters
 from .privatizer import Privatizer
 
@@ -63,11 +65,13 @@ __all__ = ["Agreement", "check_agreement", "leading_strategy", "privacy_spent", 
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Agreement:
-    """What :func:`check_agreement` established: the run's steps, batching and accounting method."""
+    """What :func:`check_agreement` established: the run's steps, batching and accounting method,
+    and the :class:`~corrnoise.accounting.MechanismEvent` (without noise) that passed the gate."""
 
     steps: int
     batching: Any
     method: str
+    event: MechanismEvent | None = None
 
 
 def _same_batching(a, b) -> bool:
@@ -109,12 +113,16 @@ def check_agreement(
     method: str = "auto",
     delta: float = 1e-5,
 ) -> Agreement:
-    """Check that sampler, mechanism and accounting describe one run; raise a CorrnoiseError
-    naming the first parameter that disagrees.
+    """Check that sampler and accounting describe one run, then pass the run's
+    :class:`~corrnoise.accounting.MechanismEvent` through the accounting gate
+    (:func:`corrnoise.accounting.prepare`); raise a CorrnoiseError naming the first parameter
+    that disagrees.
 
     ``batching`` / ``participation`` are the accounting's (``--batching`` spellings); with a
     ``sampler`` they default to what the sampler supports and must otherwise equal it.
-    ``steps`` defaults to the sampler's.
+    ``steps`` defaults to the sampler's.  Only the sampler's agreement with the accounting is
+    checked here; the mechanism against the batching (steps <= n, bands <= blocks, square C,
+    participation fits ...) is the gate's.
     """
     if not isinstance(strategy, Strategy):
         raise CorrnoiseError("mechanism", f"must be a corrnoise Strategy, got {type(strategy).__name__}")
@@ -127,10 +135,7 @@ def check_agreement(
     steps = check_int("steps", steps, minimum=1)
     if sampler is not None and steps > sampler.steps:
         raise CorrnoiseError("steps", f"{steps} steps but the sampler yields only {sampler.steps} batches")
-    if steps > strategy.n:
-        raise CorrnoiseError(
-            "steps", f"{steps} training steps exceed the mechanism's n = {strategy.n} ({strategy.label}); "
-            f"build the mechanism for at least {steps} steps or train fewer")
+    check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
 
     # --- the accounting's batching vs the sampler's -----------------------------------------
     if sampler is not None:
@@ -164,40 +169,10 @@ def check_agreement(
             none = str(batching).strip().lower() == "none"
             batching = parse_batching(batching, participation if none else None)
 
-    # --- the mechanism vs the batching ------------------------------------------------------
-    bands = int(strategy.bands)
-    if isinstance(batching, NoBatching):
-        try:
-            batching.participation.validate(steps)
-        except CorrnoiseError as exc:
-            raise CorrnoiseError("participation", f"{batching.participation.spec} does not fit {steps} steps: "
-                                 f"{exc.message}") from None
-    elif isinstance(batching, BlockCyclic) and bands > batching.blocks and (
-            method in ("bandmf", "pld", "rdp") or (method == "auto" and not method_available("mmcc"))):
-        raise CorrnoiseError(
-            "bands", f"{strategy.label} has {bands} bands > {batching.blocks} blocks of block-cyclic sampling; "
-            f"tutorial Thm 3.21 needs bands <= blocks: use >= {bands} blocks or a mechanism with <= "
-            f"{batching.blocks} bands")
-    elif isinstance(batching, Poisson) and bands > 1 and (
-            method in ("bandmf", "pld", "rdp") or (method == "auto" and not method_available("mmcc"))):
-        raise CorrnoiseError(
-            "batching", f"Poisson sampling on every step needs a diagonal C (DP-SGD), but {strategy.label} has "
-            f"{bands} bands; use block-cyclic sampling with >= {bands} blocks, or cyclic batches (none)")
-    if batching.amplified and strategy.rows != strategy.n:
-        raise CorrnoiseError("mechanism", f"{strategy.label} is not square ({strategy.rows} rows); amplified "
-                             "accounting needs a square C: use cyclic batches (batching none)")
-    spec, batching, _ = prepare(leading_strategy(strategy, steps), batching, delta, method)
-    return Agreement(steps=steps, batching=batching, method=spec.name)
-
-
-def leading_strategy(strategy: Strategy, steps: int) -> Strategy:
-    """The mechanism of the first ``steps`` steps: C[:steps, :steps] (lower triangular, so the
-    first rows of C^{-1} Z are unchanged). Column-normalized and tree mechanisms are not
-    truncated (their ``with_n`` re-designs rather than truncates): the full mechanism is
-    analysed, which is conservative (its first ``steps`` outputs are a marginal of it)."""
-    if steps >= strategy.n or isinstance(strategy, (ColumnNormalized, Tree)):
-        return strategy
-    return strategy.with_n(steps)
+    # --- the mechanism vs the batching: the accounting gate, nowhere else --------------------
+    event = MechanismEvent(strategy, batching, steps=steps)
+    spec = prepare(event, method)
+    return Agreement(steps=event.steps, batching=event.batching, method=spec.name, event=event)
 
 
 def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: float, steps: int,
@@ -225,9 +200,8 @@ def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: floa
                 f"build the mechanism for a multiple of {batching.bins} steps")
     else:
         accounted_steps = steps
-    accounted = leading_strategy(strategy, accounted_steps)
-    result = require_guarantee(account(accounted, batching, delta=delta, noise_std=noise_std, method=method,
-                                       **options), "privacy_spent")
+    event = MechanismEvent(strategy, batching, noise_std=noise_std, steps=accounted_steps)
+    result = require_guarantee(account(event, delta=delta, method=method, **options), "privacy_spent")
     return result.with_extras(steps=int(steps), accounted_steps=int(accounted_steps))
 
 
@@ -517,9 +491,8 @@ def plan_private(
 
     agreement = check_agreement(strategy, sampler=sampler, steps=run_steps, method=accounting_method, delta=delta)
     refuse_non_guarantees(accounting_options)
-    accounted = leading_strategy(strategy, run_steps)
     if epsilon is not None:
-        result = require_guarantee(calibrate(accounted, agreement.batching, epsilon=epsilon, delta=delta,
+        result = require_guarantee(calibrate(agreement.event, epsilon=epsilon, delta=delta,
                                              method=accounting_method, **(accounting_options or {})), "training")
         nu = result.noise_std
     elif noise_std is not None:
@@ -527,7 +500,8 @@ def plan_private(
     else:
         from ..accounting import column_norm
 
-        nu = check_real("noise_multiplier", noise_multiplier, low=0.0, low_open=True) * column_norm(accounted)
+        nu = check_real("noise_multiplier", noise_multiplier, low=0.0, low_open=True) * column_norm(
+            agreement.event.mechanism)
 
     return strategy, sampler, agreement, nu
 

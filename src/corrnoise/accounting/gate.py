@@ -1,0 +1,155 @@
+"""One privacy event, one gate: which method may account a :class:`MechanismEvent`, and ``account``.
+
+Every entry point -- :func:`account`, :func:`~corrnoise.accounting.calibrate.calibrate`,
+delta(epsilon), the torch ``make_private`` / Opacus adapter / ``corrnoise train`` -- describes
+what runs as a :class:`~corrnoise.accounting.event.MechanismEvent` and passes it through
+:func:`prepare`, which checks that the method analyses the event's batching and that every
+precondition the method registered (:mod:`.preconditions`) holds.  A violated precondition is one
+CorrnoiseError whose parameter and text depend only on the event and the method, so every entry
+point reports the same line.  Method functions may assume their preconditions.
+
+``auto`` (:func:`choose_method`) tries, per batching, the candidates of :data:`AUTO_CANDIDATES`
+in order and picks the first available one whose preconditions hold (DESIGN.md): none ->
+gaussian; Poisson -> pld (diagonal C, DP-SGD) else mmcc (seed 001); block-cyclic -> bandmf
+(bands <= blocks, tutorial Thm 3.21) else mmcc; balls-in-bins -> mc (seed 000).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import CorrnoiseError, check_real
+from .base import (
+    BallsInBins,
+    Batching,
+    BlockCyclic,
+    MethodSpec,
+    NoBatching,
+    Poisson,
+    PrivacyResult,
+    get_method,
+    method_available,
+    method_options,
+    resolve_noise_std,
+)
+from .event import MechanismEvent, as_event
+from .preconditions import Violation, first_violation
+
+__all__ = ["AUTO_CANDIDATES", "choose_method", "prepare", "check_event", "account", "noisy_event"]
+
+#: ``--method auto``: the methods tried, in order, for each kind of batching.
+AUTO_CANDIDATES: dict[type, tuple[str, ...]] = {
+    NoBatching: ("gaussian",),
+    Poisson: ("pld", "mmcc"),
+    BlockCyclic: ("bandmf", "mmcc"),
+    BallsInBins: ("mc",),
+}
+
+_BATCHING_NAMES = {NoBatching: "none", Poisson: "poisson", BlockCyclic: "block-cyclic", BallsInBins: "balls-in-bins"}
+
+
+def _raise(violation: Violation, method: str):
+    raise CorrnoiseError(violation.param, f"{violation.message} (accounting method {method})")
+
+
+def check_event(event: MechanismEvent, spec: MethodSpec) -> Violation | None:
+    """The first reason ``spec`` cannot account ``event`` (its batching, then its registered
+    preconditions in order), or None."""
+    if not spec.supports(event.batching):
+        kinds = ", ".join(sorted(_BATCHING_NAMES.get(cls, cls.__name__) for cls in spec.batchings))
+        return Violation("method", f"{spec.name} does not analyse {event.batching.spec} batching (it handles: "
+                         f"{kinds}); use --method auto")
+    return first_violation(event, spec.preconditions)
+
+
+def choose_method(event_or_strategy, batching: Batching | str | None = None) -> str:
+    """``--method auto``: the first available candidate (:data:`AUTO_CANDIDATES`) whose
+    preconditions hold for the event.  If none holds, the last available candidate's violation
+    is raised; if none is available, a ``method`` error says which module is missing."""
+    event = as_event(event_or_strategy, batching)
+    candidates = AUTO_CANDIDATES.get(type(event.batching))
+    if candidates is None:
+        raise CorrnoiseError("batching", f"no accounting method for {event.batching!r}")
+    refused, missing = None, []
+    for name in candidates:
+        if not method_available(name):
+            missing.append(name)
+            continue
+        found = check_event(event, get_method(name))
+        if found is None:
+            return name
+        refused, missing = (name, found), []
+    if refused is not None:
+        name, found = refused
+        if missing:  # the candidate that would have handled it is not in this build
+            found = Violation(found.param, f"{found.message}; {'/'.join(missing)} is not available in this build")
+        _raise(found, name)
+    raise CorrnoiseError("method", f"{event.batching.spec} batching of {event.mechanism.label} needs method "
+                         f"{' or '.join(missing)}, which is not available in this build; choose another --batching")
+
+
+def prepare(event: MechanismEvent, method: str = "auto") -> MethodSpec:
+    """The gate: the method (``auto``: :func:`choose_method`) that accounts ``event``, after
+    checking that it analyses the event's batching and that all its registered preconditions
+    hold; otherwise one CorrnoiseError (one line, naming the parameter)."""
+    if not isinstance(event, MechanismEvent):
+        raise CorrnoiseError("event", f"expected a MechanismEvent, got {type(event).__name__}")
+    if not isinstance(method, str):
+        raise CorrnoiseError("method", f"expected a method name, got {method!r}")
+    name = choose_method(event) if method == "auto" else method
+    spec = get_method(name)
+    found = check_event(event, spec)
+    if found is not None:
+        _raise(found, spec.name)
+    return spec
+
+
+def noisy_event(event_or_strategy, batching=None, noise_std: Any = None, noise_multiplier: Any = None
+                ) -> MechanismEvent:
+    """The event with its noise: from the event itself, or exactly one of ``noise_std`` (nu) and
+    ``noise_multiplier`` (sigma = nu / ||C||_col of the event's mechanism)."""
+    if isinstance(event_or_strategy, MechanismEvent):
+        event = as_event(event_or_strategy, batching)
+        if event.noise_std is not None:
+            if noise_std is not None or noise_multiplier is not None:
+                raise CorrnoiseError("noise", "the event already has its noise_std; do not pass another")
+            return event
+        return event.with_noise(resolve_noise_std(event.mechanism, noise_std, noise_multiplier))
+    nu = resolve_noise_std(event_or_strategy, noise_std, noise_multiplier)
+    return as_event(event_or_strategy, batching).with_noise(nu)
+
+
+def account(event_or_strategy, batching=None, *, delta=None, noise_std=None, noise_multiplier=None, epsilon=None,
+            method: str = "auto", **options: Any) -> PrivacyResult:
+    """(epsilon, delta) of a :class:`MechanismEvent` -- or of ``strategy`` under ``batching`` with
+    the given noise (one of ``noise_std`` or ``noise_multiplier``) -- by ``method`` (``auto``
+    picks as :func:`choose_method`): epsilon(delta) given ``delta``, or delta(epsilon) given
+    ``epsilon`` (:func:`.delta.account_delta`).
+
+    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to the method; one it does not
+    take raises, naming it.
+    """
+    if (delta is None) == (epsilon is None):
+        raise CorrnoiseError("delta", "give exactly one of delta (for epsilon(delta)) and epsilon (for delta(epsilon))")
+    if epsilon is not None:
+        from .delta import account_delta
+
+        return account_delta(event_or_strategy, batching, epsilon=epsilon, noise_std=noise_std,
+                             noise_multiplier=noise_multiplier, method=method, **options)
+    event = noisy_event(event_or_strategy, batching, noise_std, noise_multiplier)
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    spec = prepare(event, method)
+    result = spec.account(event.mechanism, event.batching, event.noise_std, delta, **method_options(spec, options))
+    if not isinstance(result, PrivacyResult) or math.isnan(result.epsilon):
+        raise RuntimeError(f"accounting method {spec.name} returned {result!r}")
+    return _annotate(result, event)
+
+
+def _annotate(result: PrivacyResult, event: MechanismEvent) -> PrivacyResult:
+    """``result`` with the event's mechanism label, n and batching in its extras."""
+    mechanism = event.mechanism
+    context = {"mechanism": mechanism.label, "n": int(mechanism.n), "batching": event.batching.spec}
+    return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, result.method,
+                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}},
+                         result.kind)
