@@ -1,0 +1,231 @@
+"""Seconds per DP-SGD step: plain SGD, Opacus (hooks, ghost), corrnoise vmap, corrnoise ClippingEngine.
+
+    PYTHONPATH=src python benchmarks/bench_step.py [--reps 20] [--no-rss] [--models mlp,cnn,mlp10m]
+
+All timings in one process (same load), torch.set_num_threads(2), float32; median of ``reps``
+steps after warmup, reported with ratios to the plain step and to Opacus ghost clipping, plus
+``uptime`` load. Peak RSS: a fresh subprocess per case (``--case MODEL:METHOD``) runs a few
+steps and reports ru_maxrss. Noise: every private step adds i.i.d. torch.randn noise of the
+sum's size (the correlated-noise generator is not part of this comparison).
+
+Also measures book-keeping vs a second backward: the engine's ``clipped_sum`` (norms + the
+book-keeping product) against one forward+backward of the model (what a reweighted second
+backward would cost on top of the norms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+
+warnings.filterwarnings("ignore")
+SIGMA, CLIP = 1.0, 1.0
+METHODS = ["plain", "opacus_hooks", "opacus_ghost", "corrnoise_vmap", "engine"]
+
+
+def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
+    """(model, input shape per example, batch size)."""
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)), (784,), 256
+    if name == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.Tanh(), nn.MaxPool2d(2, 1),
+            nn.Conv2d(16, 32, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, 1),
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.Tanh(), nn.Linear(32, 10)), (1, 28, 28), 256
+    if name == "mlp10m":
+        return nn.Sequential(nn.Linear(784, 3000), nn.ReLU(), nn.Linear(3000, 2500), nn.ReLU(), nn.Linear(2500, 10)), (784,), 64
+    raise SystemExit(f"unknown model {name}")
+
+
+def make_step(model_name: str, method: str):
+    torch.manual_seed(0)
+    model, shape, b = make_model(model_name)
+    x = torch.randn(b, *shape)
+    y = torch.randint(0, 10, (b,))
+    ce = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    if method == "plain":
+        def step():
+            opt.zero_grad(set_to_none=True)
+            ce(model(x), y).backward()
+            opt.step()
+        return step, model
+
+    if method.startswith("opacus"):
+        from opacus import PrivacyEngine
+        dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=b)
+        pe = PrivacyEngine()
+        if method == "opacus_ghost":
+            m, o, crit, _ = pe.make_private(module=model, optimizer=opt, data_loader=dl, criterion=ce,
+                                            noise_multiplier=SIGMA, max_grad_norm=CLIP, poisson_sampling=False,
+                                            grad_sample_mode="ghost")
+        else:
+            m, o, _ = pe.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=SIGMA,
+                                      max_grad_norm=CLIP, poisson_sampling=False, grad_sample_mode="hooks")
+            crit = ce
+
+        def step():
+            o.zero_grad(set_to_none=True)
+            crit(m(x), y).backward()
+            o.step()
+        return step, m
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def release(sums):
+        for p, s in zip(params, sums):
+            p.grad = ((s + SIGMA * CLIP * torch.randn_like(s)) / b).to(p.dtype)
+        opt.step()
+
+    if method == "corrnoise_vmap":
+        from corrnoise.torch.per_example import clipped_gradient_sum
+
+        def step():
+            sums, _ = clipped_gradient_sum(model, ce, x, y, CLIP)
+            release(sums)
+        return step, model
+
+    if method == "engine":
+        from corrnoise.torch.clipping import ClippingEngine
+        engine = ClippingEngine(model, loss_reduction="mean", max_grad_norm=CLIP)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            ce(model(x), y).backward()
+            sums, _ = engine.clipped_sum(b)
+            engine.clear()
+            release(sums)
+        step.engine = engine
+        step.data = (x, y, ce)
+        return step, model
+    raise SystemExit(f"unknown method {method}")
+
+
+def time_it(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def time_interleaved(steps: dict, reps: int, warmup: int = 3) -> dict:
+    """Median seconds per step of each method, round-robin (one step of each per round) so
+    that load from other processes on the shared machine hits every method alike."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    ts: dict = {m: [] for m in steps}
+    for _ in range(reps):
+        for m, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(v) for m, v in ts.items()}
+
+
+def bookkeeping_vs_backward(reps: int) -> dict:
+    """clipped_sum (norms + book-keeping) vs one extra forward+backward, MLP at batch 256."""
+    step, model = make_step("mlp", "engine")
+    engine, (x, y, ce) = step.engine, step.data
+    fwd_bwd = lambda: ce(model(x), y).backward()  # noqa: E731
+    _, plain = make_step("mlp", "plain")  # same weights (seed 0), no hooks
+
+    def fb():
+        plain.zero_grad(set_to_none=True)
+        ce(plain(x), y).backward()
+
+    def cs():
+        model.zero_grad(set_to_none=True)
+        engine.clear()
+        fwd_bwd()
+        t0 = time.perf_counter()
+        engine.clipped_sum(x.shape[0])
+        return time.perf_counter() - t0
+
+    cs()
+    t_fb, t_cs = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fb()
+        t_fb.append(time.perf_counter() - t0)
+        t_cs.append(cs())
+    engine.clear()
+    return {"fwd_bwd_s": statistics.median(t_fb), "clipped_sum_s": statistics.median(t_cs)}
+
+
+def run_case(case: str, steps: int = 3) -> None:
+    model_name, method = case.split(":")
+    torch.set_num_threads(2)
+    step, _ = make_step(model_name, method)
+    for _ in range(steps):
+        step()
+    print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--models", default="mlp,cnn,mlp10m")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--no-rss", action="store_true")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        return run_case(args.case)
+    torch.set_num_threads(2)
+    print("uptime:", os.popen("uptime").read().strip())
+    rows = []
+    for mname in args.models.split(","):
+        methods = args.methods.split(",")
+        steps = {m: make_step(mname, m)[0] for m in methods}
+        times = time_interleaved(steps, args.reps)
+        for method in methods:
+            t = times[method]
+            rows.append({"model": mname, "method": method, "s_per_step": t})
+            print(f"  {mname:7s} {method:15s} {t * 1e3:9.2f} ms", flush=True)
+        del steps
+    if not args.no_rss:
+        env = dict(os.environ)
+        for r in rows:
+            out = subprocess.run([sys.executable, __file__, "--case", f"{r['model']}:{r['method']}"],
+                                 capture_output=True, text=True, env=env)
+            try:
+                r["rss_mb"] = json.loads(out.stdout.strip().splitlines()[-1])["maxrss_mb"]
+            except (IndexError, ValueError):
+                r["rss_mb"] = float("nan")
+    print("uptime:", os.popen("uptime").read().strip())
+    print()
+    print(f"| model | method | ms/step | x plain | x opacus ghost | peak RSS MB | RSS x ghost |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = {q["method"]: q for q in rows if q["model"] == r["model"]}
+        plain = base.get("plain", {}).get("s_per_step", float("nan"))
+        ghost = base.get("opacus_ghost", {})
+        rss = r.get("rss_mb", float("nan"))
+        print(f"| {r['model']} | {r['method']} | {r['s_per_step'] * 1e3:.1f} | {r['s_per_step'] / plain:.2f} | "
+              f"{r['s_per_step'] / ghost.get('s_per_step', float('nan')):.2f} | {rss:.0f} | "
+              f"{rss / ghost.get('rss_mb', float('nan')):.2f} |")
+    if "mlp" in args.models.split(","):
+        bk = bookkeeping_vs_backward(args.reps)
+        print(f"\nBOOKKEEPING_VS_BACKWARD (mlp, batch 256): clipped_sum {bk['clipped_sum_s'] * 1e3:.2f} ms "
+              f"(norms + book-keeping) vs forward+backward {bk['fwd_bwd_s'] * 1e3:.2f} ms "
+              f"(a second backward's extra cost)")
+
+
+if __name__ == "__main__":
+    main()

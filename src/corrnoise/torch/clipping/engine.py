@@ -1,0 +1,332 @@
+"""Per-example clipping without per-example gradients: ghost norm + book-keeping, one backward.
+
+    engine = ClippingEngine(model, loss_reduction="mean", max_grad_norm=1.0)   # attaches hooks
+    loss = criterion(model(x), y); loss.backward()                            # unchanged user code
+    sums, norms = engine.clipped_sum(batch_size)   # aligned with engine.parameters; norms (B,)
+    engine.clear()                                  # drop captured activations
+    engine.detach()                                 # remove hooks
+
+How. A forward hook on every module that directly owns trainable parameters stores its
+(detached) inputs and puts a tensor hook on its outputs that stores the grad outputs during the
+user's ``loss.backward()``. ``clipped_sum`` then turns each call into per-parameter
+contributions (:mod:`.layers`), computes each example's squared norm per parameter by ghost
+norm or, where cheaper, by materializing that parameter alone (:func:`.formulas.use_ghost`:
+ghost iff 2 T^2 < P Q), adds them over all parameters, clips with c_i = min(1, C / ||g_i||)
+(0 for a NaN/inf gradient) and forms sum_i c_i g_i by book-keeping from the same captured
+tensors.
+
+Book-keeping, not a second backward. A second backward on the reweighted loss sum_i c_i L_i
+needs either ``retain_graph=True`` in the user's backward or a second forward, and per-example
+losses the engine never sees; the book-keeping product costs one extra weight-gradient matmul
+per layer instead of a whole backward. Measured (benchmarks/bench_step.py, CPU, 2 threads,
+MLP 784-512-512-10, batch 256): see ``BOOKKEEPING_VS_BACKWARD`` in the benchmark output and the
+report; the book-keeping pass is several times cheaper than a forward+backward.
+
+Shared parameters (tied embeddings, a layer called twice): every use of a parameter is a
+contribution to the *same* per-example gradient, so the norm is that of the summed gradient,
+cross terms included. Factored uses are stacked along T into one ghost norm (token equality /
+gather for the one-hot side), so a tied Embedding + Linear head is exact without forming
+V x d per example; a parameter with a dense use as well (or blocks that do not line up) is
+materialized for that parameter alone.
+
+Safety checks. A parameter that receives a gradient in backward but was captured in no hooked
+call (it was used outside its owner's forward) is refused; on the first ``clipped_sum`` (and
+whenever ``verify=True``) the unclipped sum of the captured per-example gradients is compared
+with the gradient autograd accumulated, which catches a parameter also used outside its
+owner's forward (e.g. ``F.linear(x, emb.weight)`` in a parent module) or a non-deterministic
+fallback layer. Layers that mix examples (BatchNorm, SyncBatchNorm, Embedding with
+``scale_grad_by_freq``, MultiheadAttention with ``batch_first=False``) are refused at attach.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ...errors import CorrnoiseError, check_int, check_real
+from .formulas import OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, use_ghost
+from .layers import fallback_handler, handler_for
+
+__all__ = ["ClippingEngine", "OPAQUE_TYPES"]
+
+#: modules whose forward uses their children's parameters directly (not through the children's
+#: forward): treated as one fallback layer owning the whole subtree.
+OPAQUE_TYPES: tuple[type, ...] = (nn.MultiheadAttention,)
+
+
+class _Call:
+    __slots__ = ("args", "kwargs", "versions", "grads", "n_out")
+
+    def __init__(self, args, kwargs, versions, n_out):
+        self.args, self.kwargs, self.versions = args, kwargs, versions
+        self.grads: list[torch.Tensor | None] = [None] * n_out
+        self.n_out = n_out
+
+
+def _detach_tree(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detach_tree(o) for o in obj) if not hasattr(obj, "_fields") else type(obj)(*(_detach_tree(o) for o in obj))
+    if isinstance(obj, dict):
+        return {k: _detach_tree(v) for k, v in obj.items()}
+    return obj
+
+
+def _refusal(path: str, m: nn.Module) -> str | None:
+    name = path or "<root>"
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return f"'{name}' ({type(m).__name__}) mixes examples (batch statistics); replace it with GroupNorm or LayerNorm"
+    if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+        return f"'{name}' (Embedding with scale_grad_by_freq=True) mixes examples; set scale_grad_by_freq=False"
+    if isinstance(m, nn.MultiheadAttention) and not m.batch_first:
+        return f"'{name}' (MultiheadAttention) needs batch_first=True (per-example gradients map over dim 0)"
+    return None
+
+
+class ClippingEngine:
+    """Hooks on ``module`` that give clipped per-example gradient sums after one backward.
+
+    ``loss_reduction``: "mean" (the loss averaged over the batch, Opacus's convention: captured
+    grad outputs are multiplied back by ``batch_size``) or "sum". ``max_grad_norm``: the clip
+    norm C > 0. ``engine.parameters`` / ``engine.names``: the trainable parameters (deduplicated,
+    in ``named_parameters`` order) that ``clipped_sum`` returns sums for. Frozen parameters
+    (``requires_grad=False`` at attach) are ignored.
+    """
+
+    def __init__(self, module: nn.Module, loss_reduction: str = "mean", max_grad_norm: float = 1.0, *, verify: bool = False):
+        if not isinstance(module, nn.Module):
+            raise CorrnoiseError("module", f"must be a torch.nn.Module, got {type(module).__name__}")
+        if loss_reduction not in ("mean", "sum"):
+            raise CorrnoiseError("loss_reduction", f"must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.module = module
+        self.loss_reduction = loss_reduction
+        self.max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        self.verify = bool(verify)
+        self._verified = False
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise CorrnoiseError("module", "has no trainable parameters")
+        self.names = [n for n, _ in named]
+        self.parameters = [p for _, p in named]
+        self._index = {id(p): i for i, p in enumerate(self.parameters)}
+        # owners: module -> (handler, [(param_name_in_module, global index)])
+        self._owners: dict[nn.Module, tuple[Any, list[tuple[str, int]]]] = {}
+        self._paths: dict[nn.Module, str] = {}
+        opaque_prefixes: list[str] = []
+        for path, m in module.named_modules(remove_duplicate=True):
+            msg = _refusal(path, m)
+            if msg is not None:
+                raise CorrnoiseError("module", msg)
+            if any(path.startswith(pre + ".") for pre in opaque_prefixes):
+                continue
+            if isinstance(m, OPAQUE_TYPES):
+                opaque_prefixes.append(path)
+                own = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+                names = [n for n, _ in own]
+                handler = lambda mod, a, k, g, dt, _n=names: fallback_handler(mod, a, k, g, dt, names=_n)  # noqa: E731
+            else:
+                own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+                handler = handler_for(m)
+            if own:
+                self._owners[m] = (handler, [(n, self._index[id(p)]) for n, p in own])
+                self._paths[m] = path or "<root>"
+        self._calls: dict[nn.Module, list[_Call]] = {m: [] for m in self._owners}
+        self._reached: set[int] = set()
+        self._autograd: dict[int, torch.Tensor] = {}
+        self._backward_seen = False
+        self._computing = False
+        self._handles = []
+        for m in self._owners:
+            self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True))
+        for i, p in enumerate(self.parameters):
+            self._handles.append(p.register_hook(lambda g, i=i: self._param_hook(i, g)))
+
+    # ------------------------------------------------------------------ hooks
+    def _param_hook(self, i: int, g: torch.Tensor):
+        self._reached.add(i)
+        if self.verify or not self._verified:
+            prev = self._autograd.get(i)
+            self._autograd[i] = g.detach().clone() if prev is None else prev + g.detach()
+        return None
+
+    def _forward_hook(self, m: nn.Module, args, kwargs, output):
+        if self._computing or not torch.is_grad_enabled():
+            return None
+        replaced = None
+        if isinstance(output, torch.Tensor) and output.requires_grad and output._is_view():
+            # a hook on a view is lost if the view is later modified in place (ReLU(inplace=True)
+            # after a Linear on (B, T, d)); a copy is not a view
+            output = replaced = output.clone()
+        outs = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        if not any(o.requires_grad for o in outs):
+            return None
+        if self._backward_seen:
+            raise CorrnoiseError(
+                "engine", "forward pass after a backward pass without clipped_sum()/clear() (one batch per clipped sum)")
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        call = _Call(_detach_tree(tuple(args)), _detach_tree(dict(kwargs)), [(t, t._version) for t in leaves], len(outs))
+        self._calls[m].append(call)
+        for k, o in enumerate(outs):
+            if o.requires_grad:
+                o.register_hook(lambda g, call=call, k=k: self._grad_hook(call, k, g))
+        return replaced
+
+    def _grad_hook(self, call: _Call, k: int, g: torch.Tensor):
+        self._backward_seen = True
+        prev = call.grads[k]
+        call.grads[k] = g.detach() if prev is None else prev + g.detach()
+        return None
+
+    # ------------------------------------------------------------------ API
+    def clear(self) -> None:
+        """Drop captured activations and grad outputs (call after each clipped sum)."""
+        for calls in self._calls.values():
+            calls.clear()
+        self._reached.clear()
+        self._autograd.clear()
+        self._backward_seen = False
+
+    def detach(self) -> None:
+        """Remove every hook and captured tensor; the engine cannot be used afterwards."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.clear()
+
+    def _contributions(self, dtype_floor=torch.float32):
+        """Per parameter: (factors, dense tensors), the batch size and accumulation dtype."""
+        factors: list[list] = [[] for _ in self.parameters]
+        dense: list[list] = [[] for _ in self.parameters]
+        b = None
+        acc = dtype_floor
+        for m, calls in self._calls.items():
+            for call in calls:
+                for g in call.grads:
+                    if g is not None:
+                        acc = torch.promote_types(acc, g.dtype)
+        self._computing = True
+        try:
+            for m, calls in self._calls.items():
+                handler, owned = self._owners[m]
+                for call in calls:
+                    if all(g is None for g in call.grads):
+                        continue  # output not used by the loss: contributes zero
+                    for t, v in call.versions:
+                        if t._version != v:
+                            raise CorrnoiseError(
+                                "module", f"input of '{self._paths[m]}' was modified in place after its forward")
+                    ref = next(g for g in call.grads if g is not None)
+                    grads = [g if g is not None else torch.zeros_like(ref) for g in call.grads]
+                    nb = grads[0].shape[0]
+                    if b is None:
+                        b = nb
+                    elif nb != b:
+                        raise CorrnoiseError(
+                            "module", f"'{self._paths[m]}' has batch dimension {nb}, others {b} (inputs must be batch-first)")
+                    out = handler(m, call.args, call.kwargs, grads, acc)
+                    for name, i in owned:
+                        for c in out.get(name, []):
+                            (factors if isinstance(c, tuple) else dense)[i].append(c)
+        finally:
+            self._computing = False
+        return factors, dense, b, acc
+
+    @torch.no_grad()  # torch.func's vjp in the fallback still differentiates inside
+    def clipped_sum(self, batch_size: int, weights: torch.Tensor | None = None):
+        """(sums, norms): sum_i w_i c_i g_i per parameter (aligned with ``self.parameters``) and ||g_i||.
+
+        ``batch_size``: the number of examples in the batch (the captured batch dimension; the
+        divisor of a "mean" loss). g_i is example i's gradient of its own loss; c_i = min(1,
+        C / ||g_i||), 0 for a non-finite gradient; ``weights`` (B,) in [0, 1] (0 = padding).
+        Sums and norms are in float32 or wider. Parameters backward did not reach get zeros.
+        """
+        n = check_int("batch_size", batch_size, minimum=0)
+        factors, dense, b, acc = self._contributions()
+        for i in range(len(self.parameters)):
+            if i in self._reached and not factors[i] and not dense[i]:
+                raise CorrnoiseError(
+                    "module", f"parameter '{self.names[i]}' got a gradient outside any hooked forward call")
+        if b is None:
+            dev = self.parameters[0].device
+            return [torch.zeros(p.shape, dtype=torch.promote_types(acc, p.dtype), device=dev) for p in self.parameters], \
+                torch.zeros(n, dtype=acc, device=dev)
+        if b != n:
+            raise CorrnoiseError("batch_size", f"is {n} but the captured batch dimension is {b}")
+        dev = next(t for fs in factors + dense for c in fs for t in ([c[1]] if isinstance(c, tuple) else [c])).device
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        sq = torch.zeros(b, dtype=acc, device=dev)
+        ghost: list[bool] = []
+        mats: list[torch.Tensor | None] = []
+        for i, p in enumerate(self.parameters):
+            fs, ds = factors[i], dense[i]
+            g_ok = bool(fs) and not ds and len({c[1].shape[1] for c in fs}) == 1
+            if g_ok:
+                u0, v0 = fs[0]
+                t_total = sum(c[1].shape[2] for c in fs)
+                g_ok = use_ghost(t_total, u0.shape[-1], v0.shape[-1])
+            ghost.append(g_ok)
+            if g_ok:
+                sq = sq + ghost_norm_sq(fs)
+                mats.append(None)
+            elif fs or ds:
+                full = materialize(fs, p.shape) if fs else None
+                for d in ds:
+                    full = d if full is None else full + d
+                sq = sq + full.reshape(b, -1).pow(2).sum(dim=1)
+                mats.append(full)
+            else:
+                mats.append(None)
+        norms = sq.sqrt() * scale
+        w = clip_weights(norms, self.max_grad_norm)
+        if weights is not None:
+            weights = torch.as_tensor(weights, dtype=w.dtype, device=w.device).reshape(-1)
+            if weights.numel() != b:
+                raise CorrnoiseError("weights", f"{weights.numel()} weights for {b} examples")
+            if bool(((weights < 0) | (weights > 1)).any()):
+                raise CorrnoiseError("weights", "must lie in [0, 1] (a weight above 1 would raise the sensitivity)")
+            w = w * weights
+        finite = torch.isfinite(sq)
+        all_finite = bool(finite.all())
+        w_raw = w * scale
+        sums = []
+        check = self.verify or not self._verified
+        check_fail = []
+        for i, p in enumerate(self.parameters):
+            fs = factors[i]
+            out_dtype = torch.promote_types(acc, p.dtype)
+            if ghost[i]:
+                if not all_finite:
+                    fs = [(_zero_rows(u, finite), _zero_rows(v, finite)) for u, v in fs]
+                s = bookkeeping_sum(fs, w_raw, p.shape)
+                unclipped = bookkeeping_sum(fs, torch.ones_like(w_raw), p.shape) if check and all_finite else None
+            elif mats[i] is not None:
+                full = mats[i] if all_finite else _zero_rows(mats[i], finite)
+                s = torch.einsum("b,b...->...", w_raw, full)
+                unclipped = full.sum(dim=0) if check and all_finite else None
+            else:
+                s, unclipped = torch.zeros(p.shape, dtype=out_dtype, device=dev), None
+            sums.append(s.to(out_dtype))
+            if unclipped is not None and i in self._autograd:
+                ref = self._autograd[i].to(unclipped.dtype)
+                if float((unclipped - ref).norm()) > 1e-2 * float(ref.norm()) + 1e-6 * max(1.0, float(unclipped.norm())):
+                    check_fail.append(self.names[i])
+        if check and all_finite:
+            self._verified = True
+            self._autograd.clear()
+            if check_fail:
+                raise CorrnoiseError(
+                    "module", f"parameter(s) {', '.join(check_fail)}: captured per-example gradients do not add up to "
+                    "autograd's gradient (a parameter used outside its module's forward, or a non-deterministic layer)")
+        return sums, norms
+
+
+def _zero_rows(x, finite: torch.Tensor):
+    """Rows of non-finite examples set to 0 (NaN-free), so a dropped example cannot leak a NaN."""
+    if isinstance(x, OneHot):
+        return x
+    mask = finite.view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))

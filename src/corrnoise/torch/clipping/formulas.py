@@ -1,0 +1,157 @@
+"""The formulas of the clipping engine, one small function each.
+
+Every weight gradient the engine handles without materializing it has, for example i, the form
+
+    G_i = sum_t u_{i,t} v_{i,t}^T        u_{i,t} in R^P (row side), v_{i,t} in R^Q (column side)
+
+(a Linear layer: u = grad output, v = input, t = position; a convolution after unfolding; an
+Embedding: u = one-hot token, v = grad output). A "factor" is the pair (u, v) stored as tensors
+of shape (B, G, T, P) and (B, G, T, Q), with G independent blocks (convolution groups; 1
+otherwise); the row side may instead be a :class:`OneHot` (token ids, shape (B, G, T)).
+
+* ghost norm (Li et al. 2022, "Large language models can be strong differentially private
+  learners", Sec. 4): ||G_i||_F^2 = sum_{t,t'} (u_t . u_t') (v_t . v_t'), cost O(T^2 (P + Q)),
+  never forming the P x Q matrix;
+* book-keeping (Bu et al., ICML 2023, "Differentially private optimization on large model at
+  small cost", Sec. 3): sum_i c_i G_i = U^T diag(c) V as one product over the stacked
+  (example, position) rows, reusing the captured tensors instead of a second backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "OneHot",
+    "use_ghost",
+    "gram",
+    "ghost_norm_sq",
+    "bookkeeping_sum",
+    "materialize",
+    "clip_weights",
+]
+
+
+@dataclass
+class OneHot:
+    """One-hot rows given by their indices: ``idx`` (B, G, T) int64 into range(size)."""
+
+    idx: torch.Tensor
+    size: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.idx.shape, self.size)
+
+
+def _t(x) -> int:
+    return x.shape[2]
+
+
+def use_ghost(total_t: int, p: int, q: int) -> bool:
+    """Per-parameter rule: ghost norm iff 2 T^2 < P Q.
+
+    The ghost norm keeps two (B, G, T, T) Gram matrices, materializing keeps one (B, G, P, Q)
+    per-example gradient; the rule picks the smaller (Li et al. 2022, Sec. 4.2 compare the same
+    two costs). T is the total number of rows over every use of the parameter (a layer called
+    twice, tied weights), since all uses enter one Gram matrix. T = 1 (a Linear on (B, d))
+    always takes the ghost norm: ||G_i||^2 = ||u_i||^2 ||v_i||^2.
+    """
+    return 2 * total_t * total_t < p * q
+
+
+def gram(x, y) -> torch.Tensor:
+    """Gram matrix (B, G, T_x, T_y) of the rows of two factor sides (dense or :class:`OneHot`).
+
+    One-hot against one-hot is token equality, one-hot against dense is a gather (the dense
+    row's entry at the token), so an Embedding never forms its V-dimensional rows.
+    """
+    if isinstance(x, OneHot) and isinstance(y, OneHot):
+        return (x.idx.unsqueeze(-1) == y.idx.unsqueeze(-2)).to(torch.get_default_dtype())
+    if isinstance(x, OneHot):
+        return gram(y, x).transpose(-1, -2)
+    if isinstance(y, OneHot):
+        b, g, tx, _ = x.shape
+        idx = y.idx.unsqueeze(-2).expand(b, g, tx, y.idx.shape[-1])
+        return torch.gather(x, -1, idx)
+    if x.shape[2] == 1 and y.shape[2] == 1:
+        return (x * y).sum(-1, keepdim=True).unsqueeze(-1).squeeze(-3)
+    return torch.matmul(x, y.transpose(-1, -2))
+
+
+def _cat_rows(sides: list) -> object:
+    if isinstance(sides[0], OneHot):
+        return OneHot(torch.cat([s.idx for s in sides], dim=2), sides[0].size)
+    return torch.cat(sides, dim=2) if len(sides) > 1 else sides[0]
+
+
+def ghost_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
+    """Per-example ||sum_k G_i^(k)||_F^2 over all uses k of one parameter, (B,), by ghost norm.
+
+    Li et al. 2022: ||sum_t u_t v_t^T||^2 = sum_{t,t'} (u_t . u_t')(v_t . v_t'). Uses of the
+    same kind are stacked along T (their cross terms are then inside one Gram matrix); a dense
+    and a one-hot group meet in the cross term counted twice. Clamped at 0 against rounding
+    (a NaN stays NaN).
+    """
+    groups: dict[bool, list] = {}
+    for u, v in factors:
+        groups.setdefault(isinstance(u, OneHot), []).append((u, v))
+    stacked = [(_cat_rows([u for u, _ in fs]), _cat_rows([v for _, v in fs])) for fs in groups.values()]
+    total = None
+    for a in range(len(stacked)):
+        for b in range(a, len(stacked)):
+            (u1, v1), (u2, v2) = stacked[a], stacked[b]
+            gv = gram(v1, v2)
+            term = (gram(u1, u2).to(gv.dtype) * gv).sum(dim=(1, 2, 3))
+            term = term if a == b else 2 * term
+            total = term if total is None else total + term
+    return total.clamp(min=0.0)
+
+
+def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.Tensor, shape) -> torch.Tensor:
+    """sum_i w_i sum_k G_i^(k), reshaped to the parameter's ``shape`` (Bu et al. 2023, book-keeping).
+
+    One contraction over (example, position) per use: U^T diag(w) V; a one-hot side becomes an
+    ``index_add`` of the weighted rows of V into the table.
+    """
+    out = None
+    for u, v in factors:
+        b, g, t, q = v.shape
+        wv = v * weights.to(v.dtype).view(b, 1, 1, 1)
+        if isinstance(u, OneHot):
+            rows = (u.idx + torch.arange(g, device=v.device).view(1, g, 1) * u.size).reshape(-1)
+            s = torch.zeros(g * u.size, q, dtype=v.dtype, device=v.device)
+            s.index_add_(0, rows, wv.reshape(-1, q))
+        else:
+            s = torch.einsum("bgtp,bgtq->gpq", u, wv)
+        out = s.reshape(shape) if out is None else out + s.reshape(shape)
+    return out
+
+
+def materialize(factors: list[tuple[object, torch.Tensor]], shape) -> torch.Tensor:
+    """The per-example gradients sum_k G_i^(k), shape (B, *shape) (used when 2 T^2 >= P Q)."""
+    out = None
+    for u, v in factors:
+        b, g, t, q = v.shape
+        if isinstance(u, OneHot):
+            offs = (torch.arange(b, device=v.device).view(b, 1, 1) * g
+                    + torch.arange(g, device=v.device).view(1, g, 1)) * u.size
+            s = torch.zeros(b * g * u.size, q, dtype=v.dtype, device=v.device)
+            s.index_add_(0, (u.idx + offs).reshape(-1), v.reshape(-1, q))
+        else:
+            s = torch.einsum("bgtp,bgtq->bgpq", u, v)
+        out = s.reshape(b, *shape) if out is None else out + s.reshape(b, *shape)
+    return out
+
+
+def clip_weights(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
+    """c_i = min(1, zeta / ||g_i||) (tutorial Eq. 1.3; Abadi et al. 2016), 0 for a non-finite norm.
+
+    Same formula as :func:`corrnoise.torch.per_example.clip_factors` (1 for a zero gradient);
+    an example whose gradient is NaN/inf contributes zero (its zero-out neighbour), so a NaN
+    never reaches the released sum.
+    """
+    factors = torch.clamp(clip_norm / norms, max=1.0)
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))

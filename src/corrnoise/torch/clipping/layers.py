@@ -1,0 +1,241 @@
+"""Per-layer rules: what a layer's per-example gradient is, from its captured input and grad output.
+
+A handler ``fn(module, args, kwargs, grad_outs, dtype) -> {param_name: [contribution, ...]}``
+turns one call of ``module`` (its detached positional/keyword inputs and the gradients of the
+loss with respect to its tensor outputs) into contributions to its own parameters' per-example
+gradients, each either
+
+* a factor ``(u, v)`` (see :mod:`.formulas`): the weight gradient of example i is
+  sum_t u_{i,t} v_{i,t}^T, reshaped to the parameter's shape; never materialized when the
+  ghost rule says so;
+* a dense tensor of shape (B, *param.shape): the per-example gradients themselves (biases,
+  the elementwise affine parameters of norm layers, the torch.func fallback).
+
+Lookup (:func:`handler_for`): the exact type in :data:`LAYER_HANDLERS` (extend it with
+:func:`register_layer`; subclasses are not matched since they may override ``forward``), then the
+duck-typed transformers ``Conv1D`` rule (class named ``Conv1D`` with a 2-D ``weight`` of shape
+(d_in, d_out) and y = x @ weight + bias), else the torch.func fallback for that layer alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ...errors import CorrnoiseError
+from .formulas import OneHot
+
+__all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv"]
+
+Handler = Callable[..., dict]
+LAYER_HANDLERS: dict[type, Handler] = {}
+
+
+def register_layer(cls: type, handler: Handler) -> None:
+    """Register ``handler`` for modules of exactly type ``cls`` (see the module docstring)."""
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise CorrnoiseError("cls", f"must be a torch.nn.Module subclass, got {cls!r}")
+    if not callable(handler):
+        raise CorrnoiseError("handler", "must be callable")
+    LAYER_HANDLERS[cls] = handler
+
+
+def is_conv1d_like(module: nn.Module) -> bool:
+    """The transformers ``Conv1D`` rule: class name ``Conv1D`` and a 2-D ``weight`` (d_in, d_out)."""
+    w = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def handler_for(module: nn.Module) -> Handler:
+    h = LAYER_HANDLERS.get(type(module))
+    if h is not None:
+        return h
+    if is_conv1d_like(module):
+        return conv1d_like_handler
+    return fallback_handler
+
+
+def _batched(x: torch.Tensor, module: nn.Module) -> None:
+    if x.dim() < 2:
+        raise CorrnoiseError("module", f"{type(module).__name__} input of shape {tuple(x.shape)} has no batch dimension")
+
+
+def _rows(x: torch.Tensor, dtype) -> torch.Tensor:
+    """(B, *, d) -> (B, 1, T, d) with T = prod(*), upcast to the accumulation dtype."""
+    return x.reshape(x.shape[0], 1, -1, x.shape[-1]).to(dtype)
+
+
+def linear_handler(module, args, kwargs, grad_outs, dtype):
+    """nn.Linear on (B, *, d_in): weight (d_out, d_in) gets sum_t g_t a_t^T; bias sum_t g_t."""
+    x, g = args[0], grad_outs[0]
+    _batched(x, module)
+    a, gg = _rows(x, dtype), _rows(g, dtype)
+    out = {"weight": [(gg, a)]}
+    if module.bias is not None:
+        out["bias"] = [gg.sum(dim=2)[:, 0]]
+    return out
+
+
+def conv1d_like_handler(module, args, kwargs, grad_outs, dtype):
+    """transformers Conv1D, y = x @ W + b with W (d_in, d_out): W gets sum_t a_t g_t^T."""
+    x, g = args[0], grad_outs[0]
+    _batched(x, module)
+    a, gg = _rows(x, dtype), _rows(g, dtype)
+    out = {"weight": [(a, gg)]}
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = [gg.sum(dim=2)[:, 0]]
+    return out
+
+
+def unfold_conv(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Tensor:
+    """Patches of an N-d convolution's input: (B, groups, T, C_in/groups * prod(kernel)).
+
+    Pads as the layer does (``padding_mode``, 'same' included), then takes strided, dilated
+    windows along each spatial dim; the patch order (channel, then kernel offsets) matches the
+    weight's flattening, so conv = patches @ W_g^T per group.
+    """
+    n = len(module.kernel_size)
+    pad = module._reversed_padding_repeated_twice
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pad, mode=mode)
+    for d in range(n):
+        k, s, dil = module.kernel_size[d], module.stride[d], module.dilation[d]
+        x = x.unfold(2 + d, dil * (k - 1) + 1, s)
+        if dil > 1:
+            x = x[..., ::dil]
+    b, c = x.shape[:2]
+    spatial = x.shape[2:2 + n]
+    t = 1
+    for o in spatial:
+        t *= o
+    # (B, C, O_1..O_n, k_1..k_n) -> (B, O_1..O_n, C, k_1..k_n) -> (B, T, groups, C/groups * K)
+    perm = [0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n)]
+    x = x.permute(perm).reshape(b, t, module.groups, -1)
+    return x.transpose(1, 2)
+
+
+def conv_handler(module, args, kwargs, grad_outs, dtype):
+    """Conv1d/2d/3d as a Linear on unfolded patches, one block per group."""
+    x, g = args[0], grad_outs[0]
+    n = len(module.kernel_size)
+    if x.dim() != n + 2:
+        raise CorrnoiseError("module", f"{type(module).__name__} input of shape {tuple(x.shape)} has no batch dimension")
+    a = unfold_conv(x.to(dtype), module)
+    b, out_c = g.shape[:2]
+    gg = g.to(dtype).reshape(b, module.groups, out_c // module.groups, -1).transpose(2, 3)
+    out = {"weight": [(gg, a)]}
+    if module.bias is not None:
+        out["bias"] = [g.to(dtype).reshape(b, out_c, -1).sum(dim=2)]
+    return out
+
+
+def embedding_handler(module, args, kwargs, grad_outs, dtype):
+    """nn.Embedding: the table (V, d) gets sum_t onehot(x_t) g_t^T (row padding_idx: nothing)."""
+    x, g = args[0], grad_outs[0]
+    _batched(x, module)
+    b = x.shape[0]
+    idx = x.reshape(b, 1, -1).long()
+    gg = g.reshape(b, 1, idx.shape[2], -1).to(dtype)
+    if module.padding_idx is not None:
+        gg = gg * (idx != module.padding_idx).unsqueeze(-1).to(dtype)
+    return {"weight": [(OneHot(idx, module.num_embeddings), gg)]}
+
+
+def _affine_grads(module, g, x_hat, channel_dims: tuple[int, ...]):
+    """Per-example grads of an elementwise affine y = x_hat * w + b: sum over non-parameter dims."""
+    keep = set(channel_dims) | {0}
+    red = tuple(d for d in range(g.dim()) if d not in keep)
+    out = {}
+    if getattr(module, "weight", None) is not None:
+        out["weight"] = [(g * x_hat).sum(dim=red) if red else g * x_hat]
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = [g.sum(dim=red) if red else g]
+    return out
+
+
+def layernorm_handler(module, args, kwargs, grad_outs, dtype):
+    """nn.LayerNorm: x_hat = (x - mean) / sqrt(var + eps) over normalized_shape (biased var)."""
+    x, g = args[0].to(dtype), grad_outs[0].to(dtype)
+    _batched(x, module)
+    k = len(module.normalized_shape)
+    dims = tuple(range(x.dim() - k, x.dim()))
+    mean = x.mean(dim=dims, keepdim=True)
+    var = x.var(dim=dims, keepdim=True, unbiased=False)
+    x_hat = (x - mean) * torch.rsqrt(var + module.eps)
+    return _affine_grads(module, g, x_hat, dims)
+
+
+def rmsnorm_handler(module, args, kwargs, grad_outs, dtype):
+    """nn.RMSNorm: x_hat = x / sqrt(mean(x^2) + eps), eps defaulting to finfo(input dtype).eps."""
+    x_in = args[0]
+    _batched(x_in, module)
+    x, g = x_in.to(dtype), grad_outs[0].to(dtype)
+    eps = module.eps if module.eps is not None else torch.finfo(x_in.dtype).eps
+    k = len(module.normalized_shape)
+    dims = tuple(range(x.dim() - k, x.dim()))
+    x_hat = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
+    return _affine_grads(module, g, x_hat, dims)
+
+
+def groupnorm_handler(module, args, kwargs, grad_outs, dtype):
+    """nn.GroupNorm on (B, C, *): x_hat normalized per (example, group); affine per channel."""
+    x, g = args[0].to(dtype), grad_outs[0].to(dtype)
+    _batched(x, module)
+    b, c = x.shape[:2]
+    xg = x.reshape(b, module.num_groups, -1)
+    mean = xg.mean(dim=2, keepdim=True)
+    var = xg.var(dim=2, keepdim=True, unbiased=False)
+    x_hat = ((xg - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+    return _affine_grads(module, g, x_hat, (1,))
+
+
+def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
+    """Any other layer: per-example vjp of the layer alone with torch.func (vmap over examples).
+
+    Re-runs the layer's forward on each example's captured input (with a batch dimension of 1)
+    as a function of its own parameters and pulls back that example's grad output; only this
+    layer's per-example gradients are materialized. Tensor arguments whose first dimension is
+    the batch size are mapped over, others are shared. The layer must be deterministic.
+    """
+    if names is None:
+        names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    params = {n: module.get_parameter(n).detach().to(dtype) for n in names}
+    b = grad_outs[0].shape[0]
+    leaves, spec = tree_flatten((args, kwargs))
+    mapped = [isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b for v in leaves]
+    batched = [v.to(dtype) if m and v.is_floating_point() else v for v, m in zip(leaves, mapped)]
+    bleaves = [v for v, m in zip(batched, mapped) if m]
+    cot = [g.to(dtype) for g in grad_outs]
+
+    def one(p, bl, gs):
+        it = iter(bl)
+        full = [next(it).unsqueeze(0) if m else v for v, m in zip(batched, mapped)]
+        a, kw = tree_unflatten(full, spec)
+
+        def f(pp):
+            out = functional_call(module, pp, tuple(a), dict(kw), strict=False)
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
+            return tuple(o.to(dtype) for o in outs)
+
+        _, pull = vjp(f, p)
+        return pull(tuple(gi.unsqueeze(0) for gi in gs))[0]
+
+    grads = vmap(one, in_dims=(None, 0, 0), randomness="error")(params, bleaves, cot)
+    return {n: [grads[n]] for n in names}
+
+
+for _cls in (nn.Linear,):
+    register_layer(_cls, linear_handler)
+for _cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    register_layer(_cls, conv_handler)
+register_layer(nn.Embedding, embedding_handler)
+register_layer(nn.LayerNorm, layernorm_handler)
+register_layer(nn.GroupNorm, groupnorm_handler)
+if hasattr(nn, "RMSNorm"):
+    register_layer(nn.RMSNorm, rmsnorm_handler)

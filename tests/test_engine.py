@@ -1,0 +1,382 @@
+"""ClippingEngine (ghost norm + book-keeping) against the materialized torch.func reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from corrnoise.errors import CorrnoiseError
+from corrnoise.torch.clipping import ClippingEngine, register_layer
+from corrnoise.torch.clipping import engine as engine_mod
+from corrnoise.torch.clipping.layers import LAYER_HANDLERS
+from corrnoise.torch.per_example import clip_and_sum, per_example_gradients
+
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture(params=["auto", "ghost", "materialize"])
+def rule(request, monkeypatch):
+    """Run each case with the per-layer rule, and with every parameter forced to either path."""
+    if request.param == "ghost":
+        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: True)
+    elif request.param == "materialize":
+        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: False)
+    return request.param
+
+
+def _per_example_loss(out, y):
+    return (out - y).pow(2).flatten(1).sum(1) + out.flatten(1).sin().sum(1)
+
+
+def _reference(model, x, y, clip):
+    grads, _ = per_example_gradients(model, lambda o, t: _per_example_loss(o, t).sum(), x, y)
+    return grads
+
+
+def _close(a, b, rtol=RTOL):
+    a, b = a.double(), b.double()
+    scale = max(float(b.abs().max()), 1e-12)
+    assert float((a - b).abs().max()) <= rtol * scale, (float((a - b).abs().max()), scale)
+
+
+def check_engine(model, x, reduction="mean", clip=None, y=None):
+    """Engine norms and clipped sum equal torch.func's materialized ones (clip at the median norm)."""
+    with torch.no_grad():
+        out = model(x)
+    y = torch.randn_like(out) if y is None else y
+    grads = _reference(model, x, y, clip)
+    _, ref_norms = clip_and_sum(grads, 1.0)
+    if clip is None:
+        clip = float(ref_norms.median())
+    ref_sums, ref_norms = clip_and_sum(grads, clip)
+    eng = ClippingEngine(model, loss_reduction=reduction, max_grad_norm=clip)
+    per = _per_example_loss(model(x), y)
+    (per.mean() if reduction == "mean" else per.sum()).backward()
+    sums, norms = eng.clipped_sum(x.shape[0])
+    eng.clear()
+    eng.detach()
+    _close(norms, ref_norms)
+    assert len(sums) == len(ref_sums)
+    for s, r, p in zip(sums, ref_sums, eng.parameters):
+        assert s.shape == p.shape
+        _close(s, r)
+    return sums, norms
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_flat(rule, reduction):
+    check_engine(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), torch.randn(7, 6), reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_sequence(rule, reduction):
+    check_engine(nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 3, bias=False)),
+                 torch.randn(5, 4, 6), reduction)
+    check_engine(nn.Linear(4, 3), torch.randn(3, 2, 5, 4), reduction)  # several leading dims
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 5), t=st.integers(1, 6), din=st.integers(1, 9), dout=st.integers(1, 9),
+       bias=st.booleans())
+def test_linear_shapes_hypothesis(b, t, din, dout, bias):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        check_engine(nn.Linear(din, dout, bias=bias), torch.randn(b, t, din), "mean")
+    finally:
+        torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_conv1d(rule, reduction):
+    m = nn.Sequential(nn.Conv1d(3, 6, 3, stride=2, padding=1, groups=3), nn.Tanh(),
+                      nn.Conv1d(6, 4, 2, dilation=2, bias=False))
+    check_engine(m, torch.randn(5, 3, 11), reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_conv2d(rule, reduction):
+    m = nn.Sequential(nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2), groups=2), nn.Tanh(),
+                      nn.Conv2d(6, 3, 3, padding="same", padding_mode="reflect"))
+    check_engine(m, torch.randn(4, 4, 9, 8), reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_conv3d(rule, reduction):
+    m = nn.Sequential(nn.Conv3d(2, 4, 2, stride=(1, 2, 1), padding=1, groups=2), nn.Tanh(), nn.Conv3d(4, 2, 3))
+    check_engine(m, torch.randn(3, 2, 5, 6, 5), reduction)
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.integers(1, 3), s=st.integers(1, 3), p=st.integers(0, 2), d=st.integers(1, 2), g=st.sampled_from([1, 2]),
+       size=st.integers(4, 8))
+def test_conv2d_hypothesis(k, s, p, d, g, size):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        check_engine(nn.Conv2d(2, 4, k, stride=s, padding=p, dilation=d, groups=g), torch.randn(3, 2, size, size + 1))
+    finally:
+        torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_embedding(rule, reduction):
+    x = torch.randint(0, 6, (5, 7))
+    x[0, :3] = 0  # padding_idx tokens and repeated tokens
+    check_engine(nn.Embedding(6, 4, padding_idx=0), x, reduction)
+    check_engine(nn.Embedding(20, 3), torch.randint(0, 20, (4, 3, 2)), reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_norm_layers(rule, reduction):
+    check_engine(nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6)), torch.randn(4, 5, 3), reduction)
+    check_engine(nn.LayerNorm((2, 3), bias=False), torch.randn(4, 5, 2, 3), reduction)
+    check_engine(nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4)), torch.randn(3, 2, 6, 6), reduction)
+    check_engine(nn.Sequential(nn.Linear(3, 6), nn.RMSNorm(6)), torch.randn(4, 5, 3), reduction)
+    check_engine(nn.Sequential(nn.Linear(3, 6), nn.RMSNorm([6], eps=1e-3)), torch.randn(4, 3), reduction)
+
+
+class Conv1D(nn.Module):
+    """Mimics transformers' Conv1D: weight (d_in, d_out), y = x @ W + b."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], self.nf)
+
+
+class Custom(nn.Module):
+    """A layer the engine has no rule for: torch.func fallback for it alone."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) * 0.4)
+        self.s = nn.Parameter(torch.randn(d))
+        self.inner = nn.Linear(d, d)  # a child with its own rule
+
+    def forward(self, x, gate=None):
+        h = torch.tanh(x @ self.w) * self.s + self.inner(x)
+        return h if gate is None else h * gate
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_conv1d_like_and_fallback(rule, reduction):
+    assert type(Conv1D(3, 4)) not in LAYER_HANDLERS
+    check_engine(nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)), torch.randn(4, 6, 4), reduction)
+    check_engine(nn.Sequential(nn.Linear(3, 4), Custom(4)), torch.randn(5, 3), reduction)
+    check_engine(nn.Sequential(nn.Linear(3, 4), Custom(4)), torch.randn(5, 2, 3), reduction)
+
+
+class Tied(nn.Module):
+    def __init__(self, v=11, d=6):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, v, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.ln(self.emb(x)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_tied_embedding_head(rule, reduction):
+    model = Tied()
+    sums, _ = check_engine(model, torch.randint(0, 11, (5, 4)), reduction)
+    assert len(sums) == 3  # emb.weight once, ln.weight, ln.bias
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, v=13, d=8, heads=2, tied=True):
+        super().__init__()
+        self.h = heads
+        self.emb = nn.Embedding(v, d)
+        self.pos = nn.Parameter(torch.randn(1, 5, d) * 0.1)  # owned by the root: fallback
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = Conv1D(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.lnf = nn.RMSNorm(d)
+        self.head = nn.Linear(d, v, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        b, t = x.shape
+        h = self.emb(x) + self.pos[:, :t]
+        q, k, v = self.qkv(self.ln1(h)).split(h.shape[-1], dim=-1)
+        q, k, v = (z.reshape(b, t, self.h, -1).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        h = h + self.proj(att)
+        h = h + self.mlp(self.ln2(h))
+        return self.head(self.lnf(h))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_transformer_stack(rule, reduction, tied):
+    check_engine(TinyTransformer(tied=tied), torch.randint(0, 13, (4, 5)), reduction)
+
+
+def test_layer_called_twice_and_mha():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(torch.tanh(self.lin(x)))
+
+    check_engine(Twice(), torch.randn(5, 4))
+    check_engine(Twice(), torch.randn(5, 3, 4))
+    mha = nn.MultiheadAttention(6, 2, batch_first=True)
+
+    class Att(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    check_engine(Att(), torch.randn(3, 4, 6))
+
+
+def test_refuses_batchnorm_and_bad_input():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.BatchNorm1d(4)))
+    with pytest.raises(CorrnoiseError, match=r"'1\.0' \(BatchNorm1d\)") as e:
+        ClippingEngine(model)
+    assert "\n" not in str(e.value)
+    with pytest.raises(CorrnoiseError, match="SyncBatchNorm"):
+        ClippingEngine(nn.Sequential(nn.SyncBatchNorm(4)))
+    with pytest.raises(CorrnoiseError, match="batch_first"):
+        ClippingEngine(nn.MultiheadAttention(4, 2))
+    with pytest.raises(CorrnoiseError, match="^loss_reduction"):
+        ClippingEngine(nn.Linear(2, 2), loss_reduction="avg")
+    with pytest.raises(CorrnoiseError, match="^max_grad_norm"):
+        ClippingEngine(nn.Linear(2, 2), max_grad_norm=0.0)
+    eng = ClippingEngine(nn.Linear(2, 2))
+    eng.module(torch.randn(3, 2)).sum().backward()
+    with pytest.raises(CorrnoiseError, match="^batch_size"):
+        eng.clipped_sum(4)
+    with pytest.raises(CorrnoiseError, match="^engine"):
+        eng.module(torch.randn(3, 2))
+
+
+def test_huge_gradient_is_clipped():
+    model = nn.Linear(5, 3)
+    x = torch.randn(6, 5)
+    x[2] *= 1e8
+    eng = ClippingEngine(model, "sum", max_grad_norm=0.5)
+    model(x).pow(2).sum().backward()
+    sums, norms = eng.clipped_sum(6)
+    assert norms[2] > 1e10
+    eng.clear()
+    # the same batch without example 2: the sums differ by at most C
+    model.zero_grad()
+    model(torch.cat([x[:2], x[3:]])).pow(2).sum().backward()
+    sums2, _ = eng.clipped_sum(5)
+    diff = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(sums, sums2)))
+    assert diff <= 0.5 * (1 + 1e-9)
+
+
+def test_nan_example_contributes_zero():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    x[1, 0] = float("nan")
+    eng = ClippingEngine(model, "sum", max_grad_norm=1.0)
+    model(x).pow(2).sum().backward()
+    sums, norms = eng.clipped_sum(5)
+    assert not torch.isfinite(norms[1])
+    assert all(bool(torch.isfinite(s).all()) for s in sums)
+    eng.clear()
+    model(torch.cat([x[:1], x[2:]])).pow(2).sum().backward()
+    ref, _ = eng.clipped_sum(4)
+    for s, r in zip(sums, ref):
+        _close(s, r, 1e-10)
+
+
+def test_bf16_norms_in_float32():
+    torch.set_default_dtype(torch.float32)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    eng = ClippingEngine(model, "mean", max_grad_norm=0.1)
+    model(x).float().pow(2).mean().backward()
+    sums, norms = eng.clipped_sum(8)
+    assert norms.dtype == torch.float32 and all(s.dtype == torch.float32 for s in sums)
+    # every clipped term has norm <= C in float32: check via a one-example batch
+    eng.clear()
+    model(x[:1]).float().pow(2).mean().backward()
+    s1, n1 = eng.clipped_sum(1)
+    assert math.sqrt(sum(float(s.pow(2).sum()) for s in s1)) <= 0.1 * (1 + 1e-5)
+
+
+def test_frozen_unreached_and_outside_use():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    extra = nn.Linear(3, 3)  # never used in forward
+    holder = nn.ModuleDict({"m": model, "extra": extra})
+    eng = ClippingEngine(holder)
+    assert "m.0.weight" not in eng.names
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    sums, _ = eng.clipped_sum(4)
+    for name, s in zip(eng.names, sums):
+        if name.startswith("extra"):
+            assert float(s.abs().max()) == 0.0
+    eng.detach()
+
+    class Outside(nn.Module):  # head uses the embedding table outside the Embedding's forward
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 3)
+
+        def forward(self, x):
+            return F.linear(self.emb(x), self.emb.weight)
+
+    m = Outside()
+    eng = ClippingEngine(m)
+    m(torch.randint(0, 7, (3, 2))).pow(2).mean().backward()
+    with pytest.raises(CorrnoiseError, match="do not add up"):
+        eng.clipped_sum(3)
+
+
+def test_register_layer():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return x * self.a
+
+    def handler(module, args, kwargs, grad_outs, dtype):
+        return {"a": [(args[0].to(dtype) * grad_outs[0].to(dtype)).reshape(args[0].shape[0], -1, 4).sum(1)]}
+
+    register_layer(Scale, handler)
+    try:
+        check_engine(nn.Sequential(nn.Linear(3, 4), Scale()), torch.randn(5, 2, 3))
+    finally:
+        del LAYER_HANDLERS[Scale]
+    with pytest.raises(CorrnoiseError, match="^cls"):
+        register_layer(int, handler)
