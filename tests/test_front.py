@@ -272,3 +272,28 @@ def test_checkpoint_resumes_the_same_noise_stream_only_with_the_seed():
 
 def test_private_optimizer_is_a_torch_optimizer():
     assert issubclass(DPOptimizer, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("mechanism", ["dpcgd:0.7", "blt:0.3,0.1:0.9,0.5"])
+def test_blt_and_dpcgd_train_with_balls_in_bins_and_a_verified_guarantee(mechanism):
+    from corrnoise.datasets import load
+
+    data = load("digits")
+    xtr, ytr, _, _ = data.tensors()
+    xtr, ytr = xtr[:400], ytr[:400]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    model, opt, loader = make_private(model, opt, DataLoader(TensorDataset(xtr, ytr), batch_size=40),
+                                      epsilon=8.0, delta=1e-3, epochs=2, max_grad_norm=1.0, mechanism=mechanism,
+                                      seed=0)
+    assert opt.batching.spec == "balls-in-bins:10"
+    for _ in range(2):
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.steps_taken == 20
+    spent = opt.privacy_spent()
+    assert spent.kind == "guarantee" and spent.method == "mc"
+    assert spent.epsilon <= 8.0

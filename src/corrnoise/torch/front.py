@@ -19,7 +19,7 @@ What each piece does (tutorial Alg. 3.1):
   step, as Opacus's BatchMemoryManager). Padding entries of fixed-size balls-in-bins batches
   (seed 000 App. I) are real items whose contribution the optimizer masks to zero.
 * the **module** is the user's, with the hooks of the clipping engine
-  (:mod:`corrnoise.torch.engine`) that capture what each layer needs for per-example clipping;
+  (:mod:`corrnoise.torch.clipping`) that capture what each layer needs for per-example clipping;
   any forward signature works (the engine never calls the model itself).
 * the **optimizer** is a :class:`torch.optim.Optimizer` (schedulers, ``state_dict`` and
   ``param_groups`` work) that wraps the user's: ``step()`` takes the engine's clipped sum, adds
@@ -63,11 +63,13 @@ class _StepContext:
         self.next_step = 0
         self.current_step: int | None = None
         self.more_micro_batches = False
-        self.masks: list[torch.Tensor | None] = []
+        self.size: int | None = None
+        self.mask: torch.Tensor | None = None
 
     def clear_batch(self) -> None:
         self.more_micro_batches = False
-        self.masks = []
+        self.size = None
+        self.mask = None
 
 
 class _Collate:
@@ -180,8 +182,8 @@ class DPDataLoader(DataLoader):
             if self.context.current_step != t:
                 self.context.clear_batch()
                 self.context.current_step = t
-            self.context.masks.append(
-                torch.tensor([0.0 if i >= num else 1.0 for i in indices]) if self._padded else None)
+            self.context.size = len(indices)
+            self.context.mask = torch.tensor([0.0 if i >= num else 1.0 for i in indices]) if self._padded else None
             self.context.more_micro_batches = not last
             yield batch
 
@@ -232,7 +234,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.store_noise_seed = bool(store_noise_seed)
         self.steps_taken = 0
         self.last_stats: dict[str, Any] = {}
-        self._deferred = False
+        self._sums: list[torch.Tensor] | None = None
+        self._count = 0
+        self._clipped = 0
 
     # --- torch.optim surface ------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -266,11 +270,9 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.privatizer.generator.seed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``.grad``; the engine's captured micro-batches are kept while a logical batch
-        is still being accumulated (a step was deferred), else dropped."""
+        """Clear ``.grad`` and any captured forward/backward the next step would otherwise use."""
         self.original.zero_grad(set_to_none=set_to_none)
-        if not self._deferred:
-            self.engine.clear()
+        self.engine.clear()
 
     def _check_step(self) -> None:
         current = self.context.current_step
@@ -288,35 +290,47 @@ class DPOptimizer(torch.optim.Optimizer):
                 "steps", f"the noise generator is at row {self.privatizer.step} but this is step {self.steps_taken}; "
                 "step t must add row t (a row used twice is reused noise)")
 
-    def _weights(self) -> torch.Tensor | None:
-        masks = self.context.masks
-        if not masks or all(m is None for m in masks):
-            return None
-        return torch.cat([m for m in masks if m is not None])
+    def _accumulate(self) -> None:
+        """Add the clipped per-example sum of the micro-batch just back-propagated to the step's sum."""
+        size = self.context.size
+        if size is None:
+            raise CorrnoiseError("data_loader", "step() without a batch from the private data loader: iterate the "
+                                 "loader make_private returned (its batches are the accounted ones)")
+        sums, norms = self.engine.clipped_sum(size, weights=self.context.mask)
+        self.engine.clear()
+        if self._sums is None:
+            self._sums = list(sums)
+        else:
+            for acc, s in zip(self._sums, sums):
+                acc.add_(s)
+        real = self.context.mask.sum() if self.context.mask is not None else size
+        self._count += int(real)
+        self._clipped += int((norms > self.max_grad_norm).sum()) if norms.numel() else 0
+        self.context.size = None
+        self.context.mask = None
 
     def step(self, closure=None):
-        """One private step (or, mid logical batch, nothing: the step is deferred)."""
+        """One private step, or -- mid logical batch (``max_physical_batch_size``) -- the clipped sum
+        of this micro-batch kept for the step that ends the logical batch."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.context.more_micro_batches:
-            self._deferred = True
-            return loss
-        self._deferred = False
         self._check_step()
+        self._accumulate()
+        if self.context.more_micro_batches:
+            return loss
         with torch.no_grad():
-            sums, stats = self.engine.clipped_sum(self.max_grad_norm, weights=self._weights())
-            noisy = self.privatizer.privatize(sums)
+            noisy = self.privatizer.privatize(self._sums)
             for p, g in zip(self.params, noisy):
                 p.grad = g.to(dtype=p.dtype)
             self.original.step()
-        self.engine.clear()
+        self.last_stats = {"count": self._count, "clipped": self._clipped}
+        self._sums, self._count, self._clipped = None, 0, 0
         self.context.clear_batch()
         self.context.current_step = None
         self.steps_taken += 1
         self.context.next_step = self.steps_taken
-        self.last_stats = stats
         return loss
 
     # --- privacy -----------------------------------------------------------------------------
@@ -436,7 +450,7 @@ def make_private(
     noise -- leave it None (a secret seed from the OS) for any real release.
     ``store_noise_seed``: put the seed into ``optimizer.state_dict()`` (a documented risk).
     """
-    from .engine import ClippingEngine
+    from .clipping import ClippingEngine
 
     if not isinstance(module, torch.nn.Module):
         raise CorrnoiseError("module", f"must be a torch.nn.Module, got {type(module).__name__}")
@@ -454,7 +468,7 @@ def make_private(
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps,
         sampler=_sampling_for(batching, mechanism, len(dataset), batch_size, epochs, steps), seed=seed, accounting_method=accounting_method,
         accounting_options=accounting_options)
-    engine = ClippingEngine(module, loss_reduction=loss_reduction)
+    engine = ClippingEngine(module, loss_reduction=loss_reduction, max_grad_norm=max_grad_norm)
     params = list(engine.parameters)
     privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=max_grad_norm,
                                            expected_batch_size=sampler.expected_batch_size, seed=noise_seed,
