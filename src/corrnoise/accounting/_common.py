@@ -70,9 +70,11 @@ def as_lower_triangular(strategy: Any, n: int | None = None, *, param: str = "me
 
 
 def resolve_workers(workers: int | None) -> int:
-    """Worker threads: ``workers`` (>= 1) or, by default, min(2, cores)."""
+    """Worker threads: ``workers`` (>= 1) or, by default, one per CPU core (``os.cpu_count()``).
+
+    Results never depend on it: work items are seeded per item and combined in input order."""
     if workers is None:
-        return max(1, min(2, os.cpu_count() or 1))
+        return max(1, os.cpu_count() or 1)
     return check_int("workers", workers, minimum=1)
 
 
