@@ -1,0 +1,195 @@
+"""The reduced (b-dimensional) sampler of Lemma 3.2's pair (seed 000 Sec. 3; the dimension
+reduction in :mod:`corrnoise.accounting.montecarlo`), the privacy losses (Y-add), (Y-remove) and the
+chunked sampling: chunk k of stream s is drawn from ``SeedSequence(seed, spawn_key=(s, k))`` and
+results are combined in chunk order, so no number depends on the worker count."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from scipy.special import logsumexp
+
+from ...errors import CorrnoiseError
+from ...progress import Progress
+from .._common import blas_threads, map_ordered, resolve_workers
+from .inputs import _CHUNK_ELEMENTS, _TINY, _as_matrix
+from .pair import balls_in_bins_modes
+
+
+@dataclass(frozen=True)
+class ReducedPair:
+    """The sufficient statistic of Lemma 3.2's pair: G = M^T M and a factor L with L L^T = G.
+
+    Built once per (C, bins); independent of the noise (Algorithm 2's common random numbers).
+    """
+
+    gram: np.ndarray  # (b, b)
+    factor: np.ndarray  # (b, b), L L^T = gram
+    triangular: bool  # whether factor is lower-triangular (Cholesky)
+    n: int
+    column_norm: float  # max_t ||C[:, t]||: noise_std -> noise_multiplier
+    sensitivity: float  # max_i ||m_i||: the unamplified sensitivity of one bin's participations
+
+    @property
+    def bins(self) -> int:
+        return self.gram.shape[0]
+
+    @property
+    def epochs(self) -> int:
+        return self.n // self.bins
+
+    def draw(self, seed: int, stream: int, chunk: int, size: int) -> np.ndarray:
+        """u = L g for ``size`` samples (rows), g ~ N(0, I_b), from chunk ``chunk`` of ``stream``."""
+        rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed, spawn_key=(stream, chunk))))
+        g = rng.standard_normal((size, self.bins))
+        if self.triangular:
+            from scipy.linalg.blas import dtrmm
+
+            # g L^T = (L g^T)^T with the triangular BLAS product (half the flops of a full
+            # product); g^T is Fortran-ordered, so the product is in place and its transpose is
+            # C-ordered again (no copies)
+            return dtrmm(1.0, self._factor_f, g.T, side=0, lower=1, trans_a=0, overwrite_b=1).T
+        return g @ self.factor.T
+
+    @property
+    def _factor_f(self) -> np.ndarray:
+        cached = self.__dict__.get("_ff")
+        if cached is None:
+            cached = np.asfortranarray(self.factor)
+            object.__setattr__(self, "_ff", cached)
+        return cached
+
+
+def reduce_balls_in_bins(C: Any, bins: int) -> ReducedPair:
+    """Gram matrix G = M^T M of the Lemma 3.2 modes and its factor (the dimension reduction)."""
+    C = _as_matrix(C)
+    M = balls_in_bins_modes(C, bins)
+    gram = M.T @ M
+    gram = 0.5 * (gram + gram.T)
+    try:
+        factor, triangular = np.linalg.cholesky(gram), True
+    except np.linalg.LinAlgError:  # singular G (linearly dependent modes): symmetric square root
+        lam, vec = np.linalg.eigh(gram)
+        factor, triangular = vec * np.sqrt(np.clip(lam, 0.0, None)), False
+    col = math.sqrt(float(np.max(np.sum(C * C, axis=0))))
+    if col <= 0.0:
+        raise CorrnoiseError("C", "is zero; there is nothing to account")
+    sens = math.sqrt(float(np.max(np.diag(gram))))
+    return ReducedPair(gram, np.ascontiguousarray(factor), triangular, C.shape[0], col, sens)
+
+
+class _Offsets:
+    """Per-bin offsets O[k, i] of a row-wise log-sum-exp, factored for speed:
+    exp(O[k, i]) = exp(alpha_i) * H[i, k] with H in (0, 1]."""
+
+    def __init__(self, offsets: np.ndarray):
+        self.O = offsets  # (k, i)
+        self.alpha = offsets.max(axis=0)
+        self.H = np.ascontiguousarray(np.exp(offsets - self.alpha).T)  # (i, k)
+
+
+def _exp_rows(V: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exp(V - c), c) with c the row maxima: entries in (0, 1], shared by both adjacencies."""
+    c = V.max(axis=1)
+    E = V - c[:, None]
+    np.exp(E, out=E)
+    return E, c
+
+
+def _lse_bins(V: np.ndarray, off: _Offsets, bin_ids: np.ndarray | None = None, Ec=None) -> np.ndarray:
+    """logsumexp_k(V[j, k] + O[k, i_j]) for every row j (i_j = bin_ids[j], default j mod b).
+
+    Stabilized by the row maximum c_j of V and the column maximum alpha_i of O: the sum
+    sum_k exp(V_jk - c_j) H[i_j, k] has terms in (0, 1]; where it is tiny (< 1e-250) its dominant
+    term may have underflowed, and that row is recomputed with a plain log-sum-exp.
+    """
+    m, b = V.shape
+    E, c = _exp_rows(V) if Ec is None else Ec
+    if bin_ids is None:  # stratified layout: row j uses bin j mod b
+        S = np.einsum("rik,ik->ri", E.reshape(m // b, b, b), off.H).reshape(m)
+        shift = c + np.tile(off.alpha, m // b)
+    else:
+        S = np.einsum("jk,jk->j", E, off.H[bin_ids])
+        shift = c + off.alpha[bin_ids]
+    with np.errstate(divide="ignore"):
+        out = shift + np.log(S)
+    bad = np.flatnonzero(S < _TINY)
+    if bad.size:
+        ids = (bad % b) if bin_ids is None else bin_ids[bad]
+        out[bad] = logsumexp(V[bad] + off.O[:, ids].T, axis=1)
+    return out
+
+
+def _lse_shift(V: np.ndarray, d: np.ndarray, Ec=None) -> np.ndarray:
+    """logsumexp_k(V[j, k] + d[k]) for every row j (stabilized as :func:`_lse_bins`)."""
+    beta = float(d.max())
+    h = np.exp(d - beta)
+    E, c = _exp_rows(V) if Ec is None else Ec
+    S = E @ h
+    with np.errstate(divide="ignore"):
+        out = c + beta + np.log(S)
+    bad = np.flatnonzero(S < _TINY)
+    if bad.size:
+        out[bad] = logsumexp(V[bad] + d, axis=1)
+    return out
+
+
+class _Losses:
+    """Privacy losses (Y-add), (Y-remove) for one noise level, from reduced samples u."""
+
+    def __init__(self, red: ReducedPair, noise_std: float):
+        t = 1.0 / noise_std
+        diag = np.diag(red.gram)
+        self.t = t
+        self.log_b = math.log(red.bins)
+        # add: exponent t u_k + t^2 A[k, i], A[k, i] = G[k, i] - G[k, k] / 2
+        self.add_off = _Offsets((t * t) * (red.gram - 0.5 * diag[:, None]))
+        # remove: exponent t u_k - t^2 G[k, k] / 2
+        self.d = -(t * t) * 0.5 * diag
+
+    def both(self, u: np.ndarray, bin_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(Y_add, Y_remove) per row of u; row j uses bin ``bin_ids[j]`` (default j mod b)."""
+        V = u * self.t
+        Ec = _exp_rows(V)  # one set of exponentials serves both adjacencies
+        return (_lse_bins(V, self.add_off, bin_ids, Ec) - self.log_b,
+                self.log_b - _lse_shift(V, self.d, Ec))
+
+    def add(self, u: np.ndarray, bin_ids: np.ndarray | None = None) -> np.ndarray:
+        return _lse_bins(u * self.t, self.add_off, bin_ids) - self.log_b
+
+    def remove(self, u: np.ndarray) -> np.ndarray:
+        return self.log_b - _lse_shift(u * self.t, self.d)
+
+
+def _hockey(Y: np.ndarray, epsilon: float) -> np.ndarray:
+    """(1 - e^(eps - Y))_+ per sample (Sec. 2)."""
+    out = np.zeros_like(Y)
+    pos = Y > epsilon
+    out[pos] = -np.expm1(epsilon - Y[pos])
+    return out
+
+
+def _chunks(bins: int, samples: int) -> list[int]:
+    rows = max(1, _CHUNK_ELEMENTS // (bins * bins))
+    size = rows * bins
+    full, rest = divmod(samples, size)
+    return [size] * full + ([rest] if rest else [])
+
+
+def _map_chunks(red: ReducedPair, seed: int, stream: int, samples: int, fn: Callable[[np.ndarray], Any],
+                workers: int | None = None, progress: Progress | bool | None = None,
+                label: str = "sampling") -> list[Any]:
+    """``fn(u)`` for every chunk of ``samples`` reduced samples, results in chunk order (chunk k is
+    seeded by (seed, stream, k): the results do not depend on ``workers``)."""
+    sizes = _chunks(red.bins, samples)
+    workers = resolve_workers(workers)
+
+    def work(k: int) -> Any:
+        return fn(red.draw(seed, stream, k, sizes[k]))
+
+    # one BLAS thread per worker: parallelism comes from the chunks
+    with blas_threads(1 if workers > 1 else None):
+        return map_ordered(work, range(len(sizes)), workers, progress, label)

@@ -1,0 +1,42 @@
+"""A rich progress bar as a :data:`corrnoise.progress.Progress` (terminal only).
+
+Imported only when a caller asks for ``progress=True``; the core library never imports rich.
+(Temporary home: this belongs to the command-line package.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["RichProgress"]
+
+
+class RichProgress:
+    """``(label, done, total)`` -> a transient bar on stderr, one task per label.
+
+    Phases with a single work item show nothing.  The display starts on the first report and
+    stops on :meth:`close` (callable more than once; a later report starts it again)."""
+
+    def __init__(self) -> None:
+        self._progress: Any = None
+        self._tasks: dict[str, Any] = {}
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if total <= 1:
+            return
+        if self._progress is None:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self._progress = Progress(console=Console(stderr=True), transient=True)
+            self._progress.start()
+        task = self._tasks.get(label)
+        if task is None:
+            task = self._tasks[label] = self._progress.add_task(label, total=total)
+        self._progress.update(task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        self._progress = None
+        self._tasks = {}
