@@ -99,6 +99,17 @@ class Strategy(ABC):
         materialized (:meth:`noising_matrix`)."""
         return NoiseStream.regenerate(noising=self.noising_matrix())
 
+    # --- closed forms (fast paths of corrnoise.losses) ------------------------------------
+    def closed_form_sensitivity_squared(self) -> tuple[float, str] | None:
+        """(max column norm squared ||C||_col^2, name of the closed form) when this kind has one
+        (single participation), else None: the losses then use :meth:`column_norms_squared`."""
+        return None
+
+    def closed_form_prefix_errors_squared(self) -> tuple[float, float] | None:
+        """(||B||_F^2 / n, max_t ||B[t]||^2) for the prefix-sum workload in closed form, or None
+        when this kind (or this instance) has none."""
+        return None
+
     @staticmethod
     def _check_rows(name: str, x: np.ndarray, rows: int) -> np.ndarray:
         x = np.asarray(x, dtype=np.float64)

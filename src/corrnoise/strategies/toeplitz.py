@@ -268,6 +268,18 @@ class BLT(Toeplitz):
         """Alg. 2.2 with the parameters of C: d buffers."""
         return NoiseStream.blt(self.alpha, self.lam)
 
+    def closed_form_sensitivity_squared(self) -> tuple[float, str]:
+        return self.max_column_norm_squared(), "blt-closed-form"
+
+    def closed_form_prefix_errors_squared(self) -> tuple[float, float] | None:
+        """Lemma 2.29 in O(d^2); None when the inverse parameters are defective."""
+        try:
+            mean_sq = bltmath.blt_mean_error_squared(self.alpha, self.lam, self.n)
+            max_sq = bltmath.blt_max_error_squared(self.alpha, self.lam, self.n)
+        except CorrnoiseError:
+            return None
+        return mean_sq, max_sq
+
     def params(self):
         return {"alpha": self.alpha.tolist(), "lambda": self.lam.tolist()}
 
