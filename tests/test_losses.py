@@ -164,3 +164,24 @@ def test_block_recurrence_errors_match_streamed_rows(n, bands, workload):
             continue
         assert np.allclose(got, streamed_squared_error(s, workload), rtol=1e-8), s.label
         assert np.allclose(got, _dense_errors(s, workload), rtol=1e-7), s.label
+
+
+def test_closed_forms_are_chosen_by_method_not_class_name():
+    """BLT and DP-CGD (and any BLT subclass) use Lemma 2.29; a column-normalized BLT, a Toeplitz
+    and a dense strategy have no closed form and take the general paths."""
+    from corrnoise.strategies import DPCGD
+
+    class MyBLT(BLT):
+        kind = "my-blt"
+
+    n = 40
+    for s in (BLT([0.3, 0.1], [0.9, 0.4], n), DPCGD(0.6, n), MyBLT([0.3], [0.7], n)):
+        assert s.closed_form_sensitivity_squared()[1] == "blt-closed-form"
+        assert mechanism_sensitivity(s).method == "blt-closed-form"
+        mean_sq, max_sq = s.closed_form_prefix_errors_squared()
+        e = _dense_errors(s, prefix())
+        assert np.isclose(mean_sq, e.mean(), rtol=1e-9) and np.isclose(max_sq, e.max(), rtol=1e-9)
+        assert np.allclose(error_summary(s), np.sqrt([e.mean(), e.max()]), rtol=1e-9)
+    for s in (ColumnNormalized(BLT([0.3], [0.7], n)), Toeplitz(np.array([1.0, 0.5]), n), Dense(np.eye(n))):
+        assert s.closed_form_sensitivity_squared() is None and s.closed_form_prefix_errors_squared() is None
+        assert mechanism_sensitivity(s).method != "blt-closed-form"

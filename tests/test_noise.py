@@ -248,3 +248,174 @@ def test_large_rows_default_chunks(strategy):
     z = np.stack([seed_noise(8, t, m).numpy() for t in range(3)])
     want = 0.3 * strategy.noising_matrix() @ z
     assert np.max(np.abs(got - want)) < 1e-10
+
+
+# --- the noise stream each strategy states (Strategy.noise_stream, issue #9 item 5) -------------
+# Computed on main before the dispatch moved into Strategy.noise_stream(), with the
+# isinstance-chain make_generator: the refactor must leave every stream bit-identical.
+# (Exact bits of the banded/BLT rows come from torch's CPU addmv; re-pin only on purpose.)
+PINNED = {  # label|method|dtype: (generator kind, sha256[:24] of the n x m rows, float.hex of row n-1, col 5)
+    'identity|auto|float64': ('iid', '4a84ba6303388e64fa5b7bdf', '-0x1.2737f5e432ef9p-4'),
+    'identity|auto|float32': ('iid', 'f651e3907ffc1974cedee070', '-0x1.f6c6da0000000p-2'),
+    'identity|regenerate|float64': ('regenerate', '4a84ba6303388e64fa5b7bdf', '-0x1.2737f5e432ef9p-4'),
+    'identity|regenerate|float32': ('regenerate', 'f651e3907ffc1974cedee070', '-0x1.f6c6da0000000p-2'),
+    'prefix|auto|float64': ('regenerate', 'd3f189e7025aa9dd85de8cb0', '0x1.e091efaf81107p+1'),
+    'prefix|auto|float32': ('regenerate', '7964ba49f2c4dc53c044efe1', '-0x1.d615060000000p+0'),
+    'prefix|regenerate|float64': ('regenerate', 'd3f189e7025aa9dd85de8cb0', '0x1.e091efaf81107p+1'),
+    'prefix|regenerate|float32': ('regenerate', '7964ba49f2c4dc53c044efe1', '-0x1.d615060000000p+0'),
+    'toeplitz-sqrt|auto|float64': ('regenerate', '5eb2b051cedb2f13e64016ad', '0x1.07729e8c9c13dp+1'),
+    'toeplitz-sqrt|auto|float32': ('regenerate', 'f2c38da59172b727536ef3e0', '-0x1.89f7dc0000000p+0'),
+    'toeplitz-sqrt|regenerate|float64': ('regenerate', '5eb2b051cedb2f13e64016ad', '0x1.07729e8c9c13dp+1'),
+    'toeplitz-sqrt|regenerate|float32': ('regenerate', 'f2c38da59172b727536ef3e0', '-0x1.89f7dc0000000p+0'),
+    'bsr:4|auto|float64': ('banded', '42855301de969e9dcb59e9a6', '0x1.15f310dc0f15cp+1'),
+    'bsr:4|auto|float32': ('banded', 'bf2a21f6a09346d066c1b121', '-0x1.e61fdc0000000p+0'),
+    'bsr:4|regenerate|float64': ('regenerate', 'd97c99d15efd8e40f8dafe6b', '0x1.15f310dc0f15cp+1'),
+    'bsr:4|regenerate|float32': ('regenerate', 'e70b88d6340e3cb1a14cd21d', '-0x1.e61fdc0000000p+0'),
+    'dpcgd:0.6|auto|float64': ('dpcgd', '208a8d6e6832d064a4ea5a5e', '0x1.1ca6dcbcd99a1p+1'),
+    'dpcgd:0.6|auto|float32': ('dpcgd', '49cee5724137bb0d4e1274b6', '-0x1.4c53b20000000p+0'),
+    'dpcgd:0.6|regenerate|float64': ('regenerate', '208a8d6e6832d064a4ea5a5e', '0x1.1ca6dcbcd99a1p+1'),
+    'dpcgd:0.6|regenerate|float32': ('regenerate', '49cee5724137bb0d4e1274b6', '-0x1.4c53b20000000p+0'),
+    'blt(d=2)|auto|float64': ('blt', '28ed2e046e8b6a8a06e6bbd4', '0x1.899c88feaaab8p-1'),
+    'blt(d=2)|auto|float32': ('blt', 'dcb66d7137edad3f2eead2ec', '-0x1.d347960000000p-1'),
+    'blt(d=2)|regenerate|float64': ('regenerate', '8bfde2b482a603b8dcf54cf7', '0x1.899c88feaaab7p-1'),
+    'blt(d=2)|regenerate|float32': ('regenerate', '1d30dd976263980340a445e7', '-0x1.d347920000000p-1'),
+    'toeplitz|auto|float64': ('regenerate', 'cca4cc0943631b7f2fc6a0d6', '-0x1.a10bdb999ffc0p-4'),
+    'toeplitz|auto|float32': ('regenerate', 'f38ab389431ad827ab38b59e', '-0x1.1baf880000000p+1'),
+    'toeplitz|regenerate|float64': ('regenerate', 'cca4cc0943631b7f2fc6a0d6', '-0x1.a10bdb999ffc0p-4'),
+    'toeplitz|regenerate|float32': ('regenerate', 'f38ab389431ad827ab38b59e', '-0x1.1baf880000000p+1'),
+    'dense|auto|float64': ('regenerate', '9308dec5151ff5e27dd246e6', '-0x1.3588a38fef727p+4'),
+    'dense|auto|float32': ('regenerate', '8e9a9457e6ba756ac7cdda21', '-0x1.eeb8580000000p+3'),
+    'dense|regenerate|float64': ('regenerate', '9308dec5151ff5e27dd246e6', '-0x1.3588a38fef727p+4'),
+    'dense|regenerate|float32': ('regenerate', '8e9a9457e6ba756ac7cdda21', '-0x1.eeb8580000000p+3'),
+    'banded|auto|float64': ('banded', '3e88aa74f292226d6f5ff525', '0x1.7eb9aa1021e6cp+0'),
+    'banded|auto|float32': ('banded', 'fc8ec0e7e64d6a7889233b3b', '-0x1.ab4a3e0000000p+0'),
+    'banded|regenerate|float64': ('regenerate', '90ee7388d52cf7e0b3e8d8e8', '0x1.7eb9aa1021e72p+0'),
+    'banded|regenerate|float32': ('regenerate', '4b780b0567f0fcaa2806eff6', '-0x1.ab4a4c0000000p+0'),
+    'tree|auto|float64': ('regenerate', 'b1993a1c1c6ac19105c39ae1', '-0x1.5912ed2b87298p-3'),
+    'tree|auto|float32': ('regenerate', '5d3d1bd14c7fde6f506f686e', '0x1.b147080000000p-1'),
+    'tree|regenerate|float64': ('regenerate', 'b1993a1c1c6ac19105c39ae1', '-0x1.5912ed2b87298p-3'),
+    'tree|regenerate|float32': ('regenerate', '5d3d1bd14c7fde6f506f686e', '0x1.b147080000000p-1'),
+    'toeplitz-sqrt+colnorm|auto|float64': ('regenerate', 'ad625bd95eb3ca196cbaef90', '0x1.07729e8c9c13dp+1'),
+    'toeplitz-sqrt+colnorm|auto|float32': ('regenerate', '8753ea92a80b23f3b078827d', '-0x1.89f7dc0000000p+0'),
+    'toeplitz-sqrt+colnorm|regenerate|float64': ('regenerate', 'ad625bd95eb3ca196cbaef90', '0x1.07729e8c9c13dp+1'),
+    'toeplitz-sqrt+colnorm|regenerate|float32': ('regenerate', '8753ea92a80b23f3b078827d', '-0x1.89f7dc0000000p+0'),
+    'banded+colnorm|auto|float64': ('banded', 'a578a5b2f106f1eeef954602', '0x1.559edb79c272bp+0'),
+    'banded+colnorm|auto|float32': ('banded', '8653f6f28cc7f56c09d17adf', '-0x1.7d66280000000p+0'),
+    'banded+colnorm|regenerate|float64': ('regenerate', '9c84de6ab01e9441899a8048', '0x1.559edb79c2731p+0'),
+    'banded+colnorm|regenerate|float32': ('regenerate', 'b7fa27ec1911172a4100289c', '-0x1.7d66340000000p+0'),
+    'blt(d=1)+colnorm|auto|float64': ('blt', '172a160ed653e315184c23f7', '0x1.561c6bcf82a10p+0'),
+    'blt(d=1)+colnorm|auto|float32': ('blt', 'ec0edd556de97d689872f643', '-0x1.3f608c0000000p+0'),
+    'blt(d=1)+colnorm|regenerate|float64': ('regenerate', '633474683acfdc6a6dacc6a6', '0x1.561c6bcf82a10p+0'),
+    'blt(d=1)+colnorm|regenerate|float32': ('regenerate', '39d0423c90800a1deee7a55b', '-0x1.3f608a0000000p+0'),
+    'dense+colnorm|auto|float64': ('regenerate', '9d22b7c0ed0e3ce44ce84f3e', '-0x1.ac90a9236a7d8p+4'),
+    'dense+colnorm|auto|float32': ('regenerate', 'c7b3ab9265e3fdfee3fd0b6b', '-0x1.567b820000000p+4'),
+    'dense+colnorm|regenerate|float64': ('regenerate', '9d22b7c0ed0e3ce44ce84f3e', '-0x1.ac90a9236a7d8p+4'),
+    'dense+colnorm|regenerate|float32': ('regenerate', 'c7b3ab9265e3fdfee3fd0b6b', '-0x1.567b820000000p+4'),
+}
+
+
+def _pinned_rows(strategy, method, dtype):
+    import hashlib
+
+    gen = make_generator(strategy, M, noise_std=NU, seed=SEED, dtype=dtype, chunk_size=CHUNK, method=method)
+    rows = run(gen, N)
+    return gen.kind, hashlib.sha256(rows.tobytes()).hexdigest()[:24], float(rows[N - 1, 5]).hex()
+
+
+@pytest.mark.parametrize("strategy", ALL, ids=[s.label for s in ALL])
+@pytest.mark.parametrize("method", ["auto", "regenerate"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_noise_streams_are_bit_identical_to_the_pinned_ones(strategy, method, dtype):
+    key = f"{strategy.label}|{method}|{str(dtype)[6:]}"
+    assert _pinned_rows(strategy, method, dtype) == PINNED[key]
+
+
+def test_pins_cover_every_kind():
+    labels = {k.split("|")[0] for k in PINNED}
+    assert labels == {s.label for s in ALL} and len(PINNED) == 4 * len(ALL)
+    for name in ("identity", "bsr:4", "blt(d=2)", "dpcgd:0.6", "toeplitz-sqrt", "dense", "tree",
+                 "banded+colnorm", "blt(d=1)+colnorm", "dense+colnorm", "toeplitz-sqrt+colnorm"):
+        assert name in labels, name
+
+
+@pytest.mark.parametrize("strategy", [s for s in ALL if s.rows == s.n], ids=[s.label for s in ALL if s.rows == s.n])
+@pytest.mark.parametrize("method", ["auto", "regenerate"])
+def test_numpy_operator_of_the_stream_equals_the_generator(strategy, method):
+    """NoiseStream.operator (numpy, linalg) and the torch generator come from the same spec."""
+    from corrnoise.linalg.streaming import run_stream
+
+    stream = strategy.regeneration_stream() if method == "regenerate" else strategy.noise_stream()
+    gen = make_generator(strategy, M, noise_std=NU, seed=SEED, dtype=torch.float64, chunk_size=CHUNK, method=method)
+    assert gen.kind == stream.kind
+    z = np.stack([seed_noise(SEED, tau, M, chunk_size=CHUNK).numpy() for tau in range(N)])
+    want = NU * run_stream(stream.operator(N), z)
+    np.testing.assert_allclose(run(gen, N), want, rtol=0, atol=1e-10 * max(1.0, np.max(np.abs(want))))
+    np.testing.assert_allclose(want, materialized(strategy), rtol=0, atol=1e-10 * max(1.0, np.max(np.abs(want))))
+
+
+def test_stream_kinds_follow_the_class_not_the_parent():
+    """DPCGD subclasses BLT but states its own stream; column normalization wraps the base's."""
+    assert DPCGD(0.5, N).noise_stream().kind == "dpcgd"
+    assert BLT([0.3], [0.8], N).noise_stream().kind == "blt"
+    assert Identity(N).noise_stream().kind == "iid"
+    assert Identity(N).regeneration_stream().kind == "regenerate"
+    cn = ColumnNormalized(DPCGD(0.5, N))
+    stream = cn.noise_stream()
+    assert stream.kind == "dpcgd" and stream.params == {"beta": 0.5}
+    np.testing.assert_array_equal(stream.row_scale, cn.scale)
+    assert BandedSqrt(N, 4).noise_stream().buffer_rows() == 3
+    assert BLT([0.1, 0.2], [0.5, 0.6], N).noise_stream().buffer_rows() == 2
+    with pytest.raises(CorrnoiseError, match="strategy"):
+        cn.noise_stream().scaled(cn.scale)  # one level of scaling only
+
+
+def test_new_strategy_subclass_falls_back_to_regeneration():
+    """A Strategy subclass that does not override noise_stream gets memoryless regeneration of
+    its own C^{-1}, and the noise is right (not some parent's recurrence)."""
+    from corrnoise.linalg.streaming import DenseStream, run_stream
+    from corrnoise.strategies import Strategy
+
+    rng = np.random.default_rng(5)
+    c = np.tril(rng.uniform(0.1, 0.5, size=(N, N))) + np.eye(N)
+
+    class Custom(Strategy):
+        kind = "custom"
+
+        def __init__(self):
+            self.n = N
+
+        def matrix(self):
+            return c.copy()
+
+        def multiply_stream(self):
+            return DenseStream(c)
+
+        def inverse_stream(self):
+            return DenseStream(c, inverse=True)
+
+        @classmethod
+        def from_params(cls, n, params, arrays):
+            return cls()
+
+    s = Custom()
+    assert s.noise_stream().kind == "regenerate"
+    assert s.closed_form_sensitivity_squared() is None and s.closed_form_prefix_errors_squared() is None
+    for method in ("auto", "regenerate"):
+        gen = make_generator(s, M, noise_std=NU, seed=SEED, dtype=torch.float64, chunk_size=CHUNK, method=method)
+        assert isinstance(gen, RegenerateGenerator)
+        got = run(gen, N)
+        z = np.stack([seed_noise(SEED, tau, M, chunk_size=CHUNK).numpy() for tau in range(N)])
+        want = NU * np.linalg.solve(c, z)
+        assert np.max(np.abs(got - want)) <= 1e-10 * max(1.0, np.max(np.abs(want)))
+        np.testing.assert_allclose(NU * run_stream(s.noise_stream().operator(N), z), want, atol=1e-10)
+    # the same for a column-normalized wrapper around it
+    gen = make_generator(ColumnNormalized(s), M, noise_std=NU, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)
+    assert isinstance(gen, RegenerateGenerator)
+    np.testing.assert_allclose(run(gen, N), materialized(ColumnNormalized(s)), atol=1e-10)
+
+
+def test_tree_stream_has_no_numpy_streaming_form():
+    from corrnoise.strategies import Tree
+
+    with pytest.raises(CorrnoiseError, match="streaming"):
+        Tree(N).noise_stream().operator(N)

@@ -7,8 +7,9 @@ Normalizations (DESIGN.md, tutorial Def. 2.3 / 2.23): with B = A C^{-1},
 
 Fast paths: Toeplitz C with a Toeplitz workload gives a Toeplitz B whose first column is
 b = A-series * C^{-1}-series, so row norms are cumulative sums of b_t^2 and
-||B||_F^2 = sum_t (n - t) b_t^2 (tutorial Eq. 4.11), O(n log n); BLT with the prefix workload
-uses the O(d^2) closed forms (Lemma 2.29); everything else streams B row by row.
+||B||_F^2 = sum_t (n - t) b_t^2 (tutorial Eq. 4.11), O(n log n); a strategy with closed forms
+(``Strategy.closed_form_prefix_errors_squared`` / ``closed_form_sensitivity_squared``: BLT and
+DP-CGD, Lemma 2.29, O(d^2)) uses them; everything else streams B row by row.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .errors import CorrnoiseError
-from .linalg import blt as bltmath
 from .participation import Participation, Single, parse_participation
 from .sensitivity import (
     Sensitivity,
@@ -29,7 +29,7 @@ from .sensitivity import (
     sensitivity_toeplitz_monotone,
 )
 from .linalg.banded import banded_errors_squared
-from .strategies import BLT, Banded, ColumnNormalized, Strategy, Toeplitz, Tree
+from .strategies import Banded, ColumnNormalized, Strategy, Toeplitz, Tree
 from .workloads import Workload, prefix
 
 # Strategies without a structured path are materialized; beyond this n that is refused.
@@ -151,14 +151,10 @@ def error_summary(strategy: Strategy, workload: Workload | None = None) -> tuple
     """(mean_error, max_error) = (||B||_F / sqrt(n), max_t ||B[t]||)."""
     workload = workload or prefix()
     n = strategy.n
-    if type(strategy).__name__ in ("BLT", "DPCGD") and workload.is_prefix:
-        assert isinstance(strategy, BLT)
-        try:
-            mean_sq = bltmath.blt_mean_error_squared(strategy.alpha, strategy.lam, n)
-            max_sq = bltmath.blt_max_error_squared(strategy.alpha, strategy.lam, n)
-            return math.sqrt(mean_sq), math.sqrt(max_sq)
-        except CorrnoiseError:
-            pass  # defective inverse parameters: fall back to the Toeplitz path below
+    closed = strategy.closed_form_prefix_errors_squared() if workload.is_prefix else None
+    if closed is not None:  # BLT: Lemma 2.29 (None for defective inverse parameters)
+        mean_sq, max_sq = closed
+        return math.sqrt(mean_sq), math.sqrt(max_sq)
     if _is_plain_toeplitz(strategy):
         b2 = _toeplitz_b(strategy, workload) ** 2
         weights = np.arange(n, 0, -1, dtype=np.float64)
@@ -179,9 +175,10 @@ def mechanism_sensitivity(strategy: Strategy, participation: Participation | str
     schema = parse_participation(participation or "single")
     n = schema.validate(strategy.n)
     if isinstance(schema, Single):
-        if type(strategy).__name__ in ("BLT", "DPCGD"):
-            assert isinstance(strategy, BLT)
-            return Sensitivity(math.sqrt(strategy.max_column_norm_squared()), True, "blt-closed-form")
+        closed = strategy.closed_form_sensitivity_squared()
+        if closed is not None:  # BLT: Lemma 2.29(a) in O(d^2)
+            value_sq, method = closed
+            return Sensitivity(math.sqrt(value_sq), True, method)
         return sensitivity_single(strategy.column_norms_squared())
     if strategy.bands <= schema.b:
         return sensitivity_banded(strategy.column_norms_squared(), schema, n, strategy.bands)

@@ -4,12 +4,19 @@ A streaming operator applies a lower-triangular n x n matrix M to a sequence x_0
 one row at a time: ``state = op.init(shape)``, then ``y_t, state = op.step(state, x_t)``
 returns y_t = (M X)[t]. Memory is whatever the state holds (a few rows for banded and BLT
 matrices, the whole history for dense and general Toeplitz ones).
+
+:class:`NoiseStream` is the description a strategy gives of how its training-time noise
+(C^{-1} Z)[t] is produced step by step (``Strategy.noise_stream()``): the torch generators of
+:mod:`corrnoise.noise.generators` are built from it, and :meth:`NoiseStream.operator` builds the
+numpy (init, step) operator of the same recurrence with the same parameters, so the choice of
+recurrence is made once, by the strategy.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
@@ -152,3 +159,105 @@ class ScaledStream:
             return self.scale[t] * y, (t + 1, inner)
         y, inner = self.base.step(inner, np.asarray(x, dtype=np.float64) / self.scale[t])
         return y, (t + 1, inner)
+
+
+NOISE_KINDS = ("iid", "banded", "blt", "dpcgd", "regenerate")
+
+
+@dataclass(frozen=True, eq=False)
+class NoiseStream:
+    """How (C^{-1} Z)[t] is produced, one step at a time: a ``kind`` and its parameters.
+
+    * ``iid`` -- C = I: Z[t]; no state.
+    * ``banded`` -- ``coefficients``: the first column (c_0..c_{b-1}) of a banded Toeplitz C, or
+      an (n, b) array band[t, j] = C[t, t - j]; forward substitution over the last b - 1 outputs.
+    * ``blt`` -- ``alpha``, ``lam``: C = BLT(alpha, lam) by Alg. 2.2 with d buffers.
+    * ``dpcgd`` -- ``beta``: C^{-1} = I - beta S, i.e. Z[t] - beta Z[t-1].
+    * ``regenerate`` -- ``inverse_toeplitz`` (first column of a Toeplitz C^{-1}) or ``noising``
+      (C^{-1} materialized, shape (n, rows)): sum_tau C^{-1}[t, tau] Z[tau].
+
+    ``row_scale`` (column normalization, tutorial Def. 2.10 / Remark 2.19) multiplies row t by
+    ``row_scale[t]`` after the base recurrence. Build one with the class methods below.
+    """
+
+    kind: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    row_scale: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.kind not in NOISE_KINDS:
+            raise CorrnoiseError("strategy", f"unknown noise stream kind {self.kind!r}; one of {', '.join(NOISE_KINDS)}")
+
+    @classmethod
+    def iid(cls) -> "NoiseStream":
+        return cls("iid")
+
+    @classmethod
+    def banded(cls, coefficients: np.ndarray) -> "NoiseStream":
+        return cls("banded", {"coefficients": np.asarray(coefficients, dtype=np.float64)})
+
+    @classmethod
+    def blt(cls, alpha: np.ndarray, lam: np.ndarray) -> "NoiseStream":
+        return cls("blt", {"alpha": alpha, "lam": lam})
+
+    @classmethod
+    def dpcgd(cls, beta: float) -> "NoiseStream":
+        return cls("dpcgd", {"beta": float(beta)})
+
+    @classmethod
+    def regenerate(cls, *, inverse_toeplitz: np.ndarray | None = None,
+                   noising: np.ndarray | None = None) -> "NoiseStream":
+        if (inverse_toeplitz is None) == (noising is None):
+            raise CorrnoiseError("strategy", "give exactly one of inverse_toeplitz and noising")
+        if inverse_toeplitz is not None:
+            return cls("regenerate", {"inverse_toeplitz": inverse_toeplitz})
+        return cls("regenerate", {"noising": noising})
+
+    def scaled(self, row_scale: np.ndarray) -> "NoiseStream":
+        """The same stream with row t multiplied by ``row_scale[t]`` (one level of scaling)."""
+        if self.row_scale is not None:
+            raise CorrnoiseError("strategy", "the noise stream is already row-scaled")
+        return replace(self, row_scale=np.asarray(row_scale, dtype=np.float64))
+
+    def buffer_rows(self) -> int:
+        """How many model-sized rows of state the recurrence keeps (b - 1, d, or 0)."""
+        if self.kind == "banded":
+            c = self.params["coefficients"]
+            if c.ndim == 1:  # trailing zeros are trimmed, as by the operators
+                nz = np.flatnonzero(c)
+                return max(int(nz[-1]) if nz.size else 0, 0)
+            return max(int(c.shape[-1]) - 1, 0)
+        if self.kind == "blt":
+            return int(np.asarray(self.params["alpha"]).size)
+        return 0
+
+    def operator(self, n: int) -> StreamingOperator:
+        """The numpy (init, step) operator z -> (C^{-1} z)[t] of this recurrence for n steps.
+
+        The reference twin of the torch generator built from the same stream (tests and
+        :func:`run_stream`); the rows of z play the part of Z.
+        """
+        p = self.params
+        if self.kind == "iid":
+            op: StreamingOperator = ToeplitzStream(np.ones(1), n)
+        elif self.kind == "banded":
+            c = p["coefficients"]
+            op = ToeplitzStream(c, n, inverse=True) if c.ndim == 1 else BandedStream(c[:n], inverse=True)
+        elif self.kind == "blt":
+            from .blt import BLTStream
+
+            op = BLTStream(p["alpha"], p["lam"], n, inverse=True)
+        elif self.kind == "dpcgd":
+            op = ToeplitzStream(np.array([1.0, -p["beta"]]), n)
+        elif "inverse_toeplitz" in p:
+            op = ToeplitzStream(p["inverse_toeplitz"], n)
+        else:
+            noising = np.asarray(p["noising"], dtype=np.float64)
+            if noising.shape != (n, n) or np.any(np.triu(noising, 1)):
+                raise CorrnoiseError(
+                    "strategy", f"C^-1 of shape {noising.shape} is not lower-triangular n x n: row t needs "
+                    "rows of Z after t, so it has no streaming form here (the generator regenerates them)")
+            op = DenseStream(noising)
+        if self.row_scale is not None:
+            op = ScaledStream(op, self.row_scale, inverse=True)
+        return op

@@ -60,11 +60,8 @@ def _available_bytes() -> int | None:
 
 
 def _estimate_extra(strategy: Strategy, method: str, dim: int, itemsize: int) -> int:
-    if method == "regenerate" or isinstance(strategy, (Identity, DPCGD)):
-        return 0
-    if isinstance(strategy, BLT):
-        return strategy.alpha.size * dim * itemsize
-    return (strategy.bands - 1) * dim * itemsize
+    stream = strategy.regeneration_stream() if method == "regenerate" else strategy.noise_stream()
+    return stream.buffer_rows() * dim * itemsize
 
 
 def bench_mechanism(name: str, dim: int, steps: int, *, device: str = "cpu",

@@ -7,7 +7,9 @@ advances; the seed noise Z is :func:`corrnoise.noise.seeds.seed_noise`, so
 
     gen.next() at step t == noise_std * (C^{-1} Z)[t],   Z[tau] = seed_noise(seed, tau, m).
 
-Kinds (picked by :func:`make_generator`; all in the model's device and dtype):
+Kinds (one class each; the strategy names its kind and parameters in
+:meth:`corrnoise.strategies.Strategy.noise_stream`, and :func:`make_generator` maps the kind to
+its class; all in the model's device and dtype):
 
 * ``iid`` -- C = I (DP-SGD): nu Z[t]; no state.
 * ``banded`` -- b-banded C, Toeplitz or not: forward substitution with the last b - 1
@@ -50,7 +52,8 @@ import numpy as np
 import torch
 
 from ..errors import CorrnoiseError, check_int, check_real
-from ..strategies import BLT, DPCGD, Banded, ColumnNormalized, Dense, Identity, Strategy, Toeplitz
+from ..linalg.streaming import NOISE_KINDS
+from ..strategies import Strategy
 from .seeds import DEFAULT_CHUNK, check_seed, fill_noise_combination, new_secret_seed, scratch_bytes
 
 __all__ = [
@@ -60,6 +63,7 @@ __all__ = [
     "BLTGenerator",
     "DPCGDGenerator",
     "RegenerateGenerator",
+    "GENERATORS",
     "make_generator",
     "resolve_dim",
 ]
@@ -471,6 +475,16 @@ class RegenerateGenerator(NoiseGenerator):
 
 _METHODS = ("auto", "regenerate")
 
+# One generator class per noise-stream kind (Strategy.noise_stream() says which kind).
+GENERATORS: dict[str, type[NoiseGenerator]] = {
+    "iid": IidGenerator,
+    "banded": BandedGenerator,
+    "blt": BLTGenerator,
+    "dpcgd": DPCGDGenerator,
+    "regenerate": RegenerateGenerator,
+}
+assert set(GENERATORS) == set(NOISE_KINDS)
+
 
 def make_generator(
     strategy: Strategy,
@@ -484,46 +498,19 @@ def make_generator(
     shard: tuple[int, int] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> NoiseGenerator:
-    """The cheapest streaming generator of nu * (C^{-1} Z)[t] for ``strategy``.
+    """The streaming generator of nu * (C^{-1} Z)[t] for ``strategy``.
 
-    ``method="auto"`` picks ``iid`` for the identity, ``dpcgd`` for DP-CGD, ``blt`` for BLTs,
-    ``banded`` for strategies with fewer than n bands, ``regenerate`` otherwise (general
-    Toeplitz with the first column of C^{-1}, dense/tree with C^{-1} materialized);
-    ``method="regenerate"`` forces O(m)-memory regeneration for any strategy. A column-
-    normalized strategy gets its base's generator with rows scaled by the column norms.
+    ``method="auto"`` uses the strategy's own recurrence, :meth:`Strategy.noise_stream`
+    (``iid`` for the identity, ``dpcgd`` for DP-CGD, ``blt`` for BLTs, ``banded`` for fewer
+    than n bands, ``regenerate`` otherwise); ``method="regenerate"`` forces O(m)-memory
+    regeneration, :meth:`Strategy.regeneration_stream`, for any strategy. A column-normalized
+    strategy's stream is its base's with rows scaled by the column norms.
     """
     if not isinstance(strategy, Strategy):
         raise CorrnoiseError("strategy", f"must be a corrnoise Strategy, got {type(strategy).__name__}")
     if method not in _METHODS:
         raise CorrnoiseError("method", f"must be one of {', '.join(_METHODS)}, got {method!r}")
-    row_scale = None
-    base = strategy
-    if isinstance(strategy, ColumnNormalized):
-        row_scale = strategy.scale
-        base = strategy.base
-    n = strategy.n
-    kw = dict(noise_std=noise_std, seed=seed, device=device, dtype=dtype, shard=shard,
-              chunk_size=chunk_size, row_scale=row_scale, label=strategy.label)
-
-    if method == "regenerate":
-        if base.toeplitz_coefficients is not None and isinstance(base, Toeplitz):
-            return RegenerateGenerator(n, dim, inverse_toeplitz=base.inverse_coefficients, **kw)
-        return RegenerateGenerator(n, dim, noising=base.noising_matrix(), **kw)
-
-    if isinstance(base, Identity):
-        return IidGenerator(n, dim, **kw)
-    if isinstance(base, DPCGD):
-        return DPCGDGenerator(n, dim, base.beta, **kw)
-    if isinstance(base, BLT):
-        return BLTGenerator(n, dim, base.alpha, base.lam, **kw)
-    if isinstance(base, Toeplitz):
-        if base.bands == 1:
-            return BandedGenerator(n, dim, base.coefficients[:1], **kw)
-        if base.bands < base.n:
-            return BandedGenerator(n, dim, base.coefficients[: base.bands], **kw)
-        return RegenerateGenerator(n, dim, inverse_toeplitz=base.inverse_coefficients, **kw)
-    if isinstance(base, Banded):
-        return BandedGenerator(n, dim, base.band, **kw)
-    if isinstance(base, Dense) and base.bands < base.n:
-        return BandedGenerator(n, dim, Banded.from_matrix(base.matrix(), base.bands).band, **kw)
-    return RegenerateGenerator(n, dim, noising=base.noising_matrix(), **kw)
+    stream = strategy.regeneration_stream() if method == "regenerate" else strategy.noise_stream()
+    return GENERATORS[stream.kind](
+        strategy.n, dim, **stream.params, noise_std=noise_std, seed=seed, device=device, dtype=dtype,
+        shard=shard, chunk_size=chunk_size, row_scale=stream.row_scale, label=strategy.label)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import CorrnoiseError, check_int
-from ..linalg.streaming import StreamingOperator, run_stream
+from ..linalg.streaming import NoiseStream, StreamingOperator, run_stream
 
 
 class Strategy(ABC):
@@ -80,6 +80,35 @@ class Strategy(ABC):
     def inverse_multiply(self, z: np.ndarray) -> np.ndarray:
         """C^{-1} @ z (z of shape (n,) or (n, m))."""
         return run_stream(self.inverse_stream(), self._check_rows("z", z, self.rows))
+
+    # --- the noise stream ----------------------------------------------------------------
+    def noise_stream(self) -> NoiseStream:
+        """How the training-time noise (C^{-1} Z)[t] is produced step by step: the one place that
+        says so. The torch generators (:func:`corrnoise.noise.make_generator`) and the numpy
+        operator (:meth:`NoiseStream.operator`) are both built from it.
+
+        Each kind overrides this with its cheapest recurrence; the default is memoryless
+        regeneration (:meth:`regeneration_stream`), correct for any C, so a new subclass that
+        says nothing still gets the right noise.
+        """
+        return self.regeneration_stream()
+
+    def regeneration_stream(self) -> NoiseStream:
+        """(C^{-1} Z)[t] = sum_tau C^{-1}[t, tau] Z[tau] with every needed Z[tau] regenerated from
+        the key (tutorial Sec. 4.4.5, Approach 2): O(m) memory for any C. Default: C^{-1}
+        materialized (:meth:`noising_matrix`)."""
+        return NoiseStream.regenerate(noising=self.noising_matrix())
+
+    # --- closed forms (fast paths of corrnoise.losses) ------------------------------------
+    def closed_form_sensitivity_squared(self) -> tuple[float, str] | None:
+        """(max column norm squared ||C||_col^2, name of the closed form) when this kind has one
+        (single participation), else None: the losses then use :meth:`column_norms_squared`."""
+        return None
+
+    def closed_form_prefix_errors_squared(self) -> tuple[float, float] | None:
+        """(||B||_F^2 / n, max_t ||B[t]||^2) for the prefix-sum workload in closed form, or None
+        when this kind (or this instance) has none."""
+        return None
 
     @staticmethod
     def _check_rows(name: str, x: np.ndarray, rows: int) -> np.ndarray:

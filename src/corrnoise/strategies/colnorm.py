@@ -73,6 +73,13 @@ class ColumnNormalized(Strategy):
     def inverse_stream(self):
         return ScaledStream(self.base.inverse_stream(), self.scale, inverse=True)
 
+    def noise_stream(self):
+        """The base's stream with row t scaled by its column norm: D (C^{-1} Z)[t] (Remark 2.19)."""
+        return self.base.noise_stream().scaled(self.scale)
+
+    def regeneration_stream(self):
+        return self.base.regeneration_stream().scaled(self.scale)
+
     def params(self):
         return {"base_kind": self.base.kind, "base_params": self.base.params()}
 

@@ -8,7 +8,7 @@ import numpy as np
 from scipy import linalg as sla
 
 from ..errors import CorrnoiseError, check_finite_array, check_int
-from ..linalg.streaming import BandedStream, DenseStream
+from ..linalg.streaming import BandedStream, DenseStream, NoiseStream
 from ..linalg.toeplitz import check_lower_triangular
 from ..linalg.tree import tree_matrix
 from .base import Strategy
@@ -56,6 +56,12 @@ class Dense(Strategy):
 
     def inverse_stream(self):
         return DenseStream(self._m, inverse=True)
+
+    def noise_stream(self) -> NoiseStream:
+        """Banded forward substitution when C has fewer than n bands, else regeneration."""
+        if self.bands < self.n:
+            return NoiseStream.banded(Banded.from_matrix(self._m, self.bands).band)
+        return self.regeneration_stream()
 
     def arrays(self):
         return {"matrix": self._m}
@@ -133,6 +139,10 @@ class Banded(Strategy):
 
     def inverse_stream(self):
         return BandedStream(self.band, inverse=True)
+
+    def noise_stream(self) -> NoiseStream:
+        """Forward substitution over the last b - 1 rows (non-Toeplitz Alg. 2.1)."""
+        return NoiseStream.banded(self.band)
 
     def arrays(self):
         return {"band": self.band}

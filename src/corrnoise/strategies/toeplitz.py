@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import CorrnoiseError, check_finite_array, check_int, check_real
 from ..linalg import blt as bltmath
 from ..linalg import toeplitz as tp
-from ..linalg.streaming import ToeplitzStream
+from ..linalg.streaming import NoiseStream, ToeplitzStream
 from .base import Strategy
 
 # Coefficient vectors up to this length go inline into the mechanism file's JSON.
@@ -90,6 +90,16 @@ class Toeplitz(Strategy):
     def inverse_stream(self):
         return ToeplitzStream(self._c, self.n, inverse=True)
 
+    def noise_stream(self) -> NoiseStream:
+        """Banded (fewer than n bands): forward substitution over the last b - 1 rows (Alg. 2.1);
+        otherwise regeneration with the first column of C^{-1}."""
+        if self.bands == 1 or self.bands < self.n:
+            return NoiseStream.banded(self.coefficients[: self.bands])
+        return self.regeneration_stream()
+
+    def regeneration_stream(self) -> NoiseStream:
+        return NoiseStream.regenerate(inverse_toeplitz=self.inverse_coefficients)
+
     def params(self) -> dict[str, Any]:
         if self._c.size <= INLINE_MAX:
             return {"coefficients": self._c.tolist()}
@@ -140,6 +150,10 @@ class Identity(_ParameterFree):
 
     def __init__(self, n: int):
         super().__init__(np.ones(1), n, inverse_coefficients=np.ones(1))
+
+    def noise_stream(self) -> NoiseStream:
+        """DP-SGD: Z[t] itself, no state."""
+        return NoiseStream.iid()
 
 
 
@@ -250,6 +264,22 @@ class BLT(Toeplitz):
     def inverse_stream(self):
         return bltmath.BLTStream(self.alpha, self.lam, self.n, inverse=True)
 
+    def noise_stream(self) -> NoiseStream:
+        """Alg. 2.2 with the parameters of C: d buffers."""
+        return NoiseStream.blt(self.alpha, self.lam)
+
+    def closed_form_sensitivity_squared(self) -> tuple[float, str]:
+        return self.max_column_norm_squared(), "blt-closed-form"
+
+    def closed_form_prefix_errors_squared(self) -> tuple[float, float] | None:
+        """Lemma 2.29 in O(d^2); None when the inverse parameters are defective."""
+        try:
+            mean_sq = bltmath.blt_mean_error_squared(self.alpha, self.lam, self.n)
+            max_sq = bltmath.blt_max_error_squared(self.alpha, self.lam, self.n)
+        except CorrnoiseError:
+            return None
+        return mean_sq, max_sq
+
     def params(self):
         return {"alpha": self.alpha.tolist(), "lambda": self.lam.tolist()}
 
@@ -290,6 +320,10 @@ class DPCGD(BLT):
         out = z.copy()
         out[1:] -= self.beta * z[:-1]
         return out
+
+    def noise_stream(self) -> NoiseStream:
+        """Z[t] - beta Z[t-1] with Z[t-1] regenerated: no buffers (not BLT's d = 1 recurrence)."""
+        return NoiseStream.dpcgd(self.beta)
 
     def params(self):
         return {"beta": self.beta}
