@@ -42,7 +42,7 @@ from ..accounting import PrivacyResult
 from ..errors import CorrnoiseError, check_int, check_real
 from ..sampling import BallsInBinsSampler, BatchSampler
 from ..strategies import Strategy
-from .optimizer import plan_private, privacy_spent
+from .optimizer import balls_in_bins_accounted_steps, plan_private, privacy_spent
 from .privatizer import Privatizer
 
 __all__ = ["DPOptimizer", "DPDataLoader", "make_private", "choose_batching", "BATCHINGS"]
@@ -205,7 +205,8 @@ class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, engine, privatizer: Privatizer, strategy: Strategy,
                  batching: Any, delta: float, steps: int, accounting_method: str = "auto",
                  accounting_options: dict[str, Any] | None = None, sampler: BatchSampler | None = None,
-                 context: _StepContext | None = None, store_noise_seed: bool = False):
+                 context: _StepContext | None = None, store_noise_seed: bool = False,
+                 calibration: PrivacyResult | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise CorrnoiseError("optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DPOptimizer):
@@ -232,6 +233,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.sampler = sampler
         self.context = context or _StepContext()
         self.store_noise_seed = bool(store_noise_seed)
+        self.calibration = calibration
         self.steps_taken = 0
         self.last_stats: dict[str, Any] = {}
         self._sums: list[torch.Tensor] | None = None
@@ -338,6 +340,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """(epsilon, delta) of the steps taken so far (or ``steps``) by the accounting that
         calibrated the noise (a guarantee). Zero steps: epsilon 0."""
         k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
+        if self.calibration is not None and not options and _accounted_steps(self.batching, k) == self.steps:
+            # the run the noise was calibrated for: its guarantee (a Monte Carlo one was verified on
+            # a fresh sample; accounting it again would draw new samples and a slightly other epsilon)
+            return self.calibration.with_extras(steps=int(k), accounted_steps=int(self.steps))
         return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
                              planned_steps=self.steps, method=self.accounting_method,
                              **{**self.accounting_options, **options})
@@ -380,6 +386,15 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps_taken = steps_taken
         self.context.next_step = steps_taken
         self.context.current_step = None
+
+
+def _accounted_steps(batching, steps: int) -> int:
+    """The steps :func:`corrnoise.torch.optimizer.privacy_spent` analyses after ``steps`` steps."""
+    from ..accounting import BallsInBins
+
+    if isinstance(batching, BallsInBins):
+        return balls_in_bins_accounted_steps(steps, batching.bins)
+    return steps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,7 +478,7 @@ def make_private(
     if mechanism == "auto":
         mechanism = choose_mechanism(len(dataset), batch_size, epochs=epochs, steps=steps, epsilon=epsilon,
                                      delta=delta)
-    strategy, sampler, agreement, nu = plan_private(
+    strategy, sampler, agreement, nu, calibration = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps,
         sampler=_sampling_for(batching, mechanism, len(dataset), batch_size, epochs, steps), seed=seed, accounting_method=accounting_method,
@@ -477,7 +492,8 @@ def make_private(
     private = DPOptimizer(optimizer, engine=engine, privatizer=privatizer, strategy=strategy,
                           batching=agreement.batching, delta=delta, steps=agreement.steps,
                           accounting_method=accounting_method, accounting_options=accounting_options,
-                          sampler=sampler, context=context, store_noise_seed=store_noise_seed)
+                          sampler=sampler, context=context, store_noise_seed=store_noise_seed,
+                          calibration=calibration)
     loader = DPDataLoader(dataset, sampler, steps_per_epoch=_steps_per_epoch(sampler, epochs, len(dataset), batch_size),
                           collate_fn=collate_fn, max_physical_batch_size=max_physical_batch_size, context=context,
                           **keep)

@@ -212,7 +212,7 @@ def make_private_opacus(
     optimizer flow are Opacus's (``GradSampleModule`` + ``DPOptimizer``); the noise is ours.
     ``seed`` drives the sampler, ``noise_seed`` the noise (None: a secret OS seed; see make_private)."""
     opacus = require_opacus()
-    strategy, sampler, agreement, nu = plan_private(
+    strategy, sampler, agreement, nu, _ = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps, sampler=sampler,
         seed=seed, accounting_method=accounting_method, accounting_options=accounting_options)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -503,7 +503,18 @@ def plan_private(
         nu = check_real("noise_multiplier", noise_multiplier, low=0.0, low_open=True) * column_norm(
             agreement.event.mechanism)
 
-    return strategy, sampler, agreement, nu
+    return PrivatePlan(strategy, sampler, agreement, nu, result if epsilon is not None else None)
+
+
+class PrivatePlan(NamedTuple):
+    """What :func:`plan_private` decided: the mechanism, the sampler, the checked agreement, the
+    noise_std, and the calibration (the guarantee the noise was calibrated to, when it was)."""
+
+    strategy: Strategy
+    sampler: BatchSampler
+    agreement: Agreement
+    noise_std: float
+    calibration: PrivacyResult | None
 
 
 def refuse_non_guarantees(accounting_options: dict[str, Any] | None) -> None:
@@ -557,7 +568,7 @@ def make_private(
     seed from the OS) for any real release -- whoever knows it can regenerate and subtract the
     noise; set it only for reproducible experiments and tests.
     """
-    strategy, sampler, agreement, nu = plan_private(
+    strategy, sampler, agreement, nu, _ = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps, sampler=sampler,
         seed=seed, accounting_method=accounting_method, accounting_options=accounting_options)
