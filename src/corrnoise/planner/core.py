@@ -78,6 +78,14 @@ _PIPELINE_BATCHINGS = {
 SCREEN_DISCRETIZATION = 1e-3
 #: Monte Carlo samples for a screening estimate (seed 000 App. G.2: far fewer than verification).
 SCREEN_MC_SAMPLES = 1 << 15
+#: Verification keeps delta_hat <= delta / tau (seed 000 Thm 2.1, tau = 1.25 by default), so a
+#: screening estimate aims at delta / tau too: it then ranks a Monte Carlo candidate about where
+#: its verified noise will land, instead of favouring it by the slack verification needs.
+SCREEN_MC_TAU = 1.25
+#: Samples of the calibration that precedes the final verification (the accounting default is
+#: 2^24).  The guarantee comes from the fresh verification sample alone (its size set by delta,
+#: Thm 2.2); fewer calibration samples only widen the upper-confidence margin a little.
+FINAL_MC_SAMPLES = 1 << 20
 BANDS = (2, 4, 8, 16, 32, 64)
 BUFFERS = (1, 2, 4)
 BETAS = (0.5, 0.7, 0.8, 0.9, 0.95)
@@ -297,7 +305,7 @@ _NO_DISCRETIZATION: set[str] = set()
 
 
 def _calibrate(strategy, batching: str, participation: str | None, epsilon: float, delta: float, screen: bool,
-               seed: int | None = None):
+               seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES):
     """(PrivacyResult, final?) for ``strategy`` under ``batching``.  Screening: coarse PLD
     discretization where the method takes one, Monte Carlo estimates; final: full analysis
     (verified Monte Carlo).  Uses only the public accounting functions."""
@@ -306,17 +314,19 @@ def _calibrate(strategy, batching: str, participation: str | None, epsilon: floa
     bat = parse_batching(batching, participation if batching == "none" else None)
     if isinstance(bat, _balls_in_bins_class()):
         if not screen:
-            return calibrate(strategy, bat, epsilon=epsilon, delta=delta), True
+            return calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES), True
+        aim = delta / SCREEN_MC_TAU
         try:
-            res = calibrate(strategy, bat, epsilon=epsilon, delta=delta, estimate=True,
-                            samples=SCREEN_MC_SAMPLES, seed=seed)
+            res = calibrate(strategy, bat, epsilon=epsilon, delta=aim, estimate=True, samples=screen_samples, seed=seed)
         except CorrnoiseError as exc:
             if exc.param != "estimate":
                 raise
             # calibrate() releases only guarantees; a screening estimate is asked for from the
             # method itself (it is labelled kind="estimate" and never recommended as such)
-            res = get_method("mc").calibrate(strategy, bat, epsilon, delta, samples=SCREEN_MC_SAMPLES,
+            res = get_method("mc").calibrate(strategy, bat, epsilon, aim, samples=screen_samples,
                                              seed=seed, estimate=True)
+        if res.kind != "guarantee":
+            res = res.with_extras(screened_at_delta=aim)
         return res, res.kind == "guarantee"
     from ..accounting import choose_method
 
@@ -349,7 +359,7 @@ def _apply(cand: Candidate, res, final: bool, seconds: float) -> None:
     cand.final = bool(final and res.kind == "guarantee")
     cand.seconds += seconds
     keep = ("verified", "failure_probability", "samples", "std_error_add", "std_error_remove", "gdp_mu",
-            "calibration_evaluations", "discretization")
+            "calibration_evaluations", "discretization", "screened_at_delta")
     cand.accounting_details = {k: v for k, v in res.extras.items() if k in keep and _jsonable(v)}
 
 
@@ -494,7 +504,8 @@ def _batching_spec(spec: str, setup: PlanSetup) -> str:
 # plan()
 # ----------------------------------------------------------------------------------------------
 def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = None, out_dir: str | Path | None = None,
-         mechanism_file: str | Path | None = None, seed: int | None = None, **kwargs: Any) -> PlanResult:
+         mechanism_file: str | Path | None = None, seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES,
+         **kwargs: Any) -> PlanResult:
     """Plan a run: every valid candidate with its screened noise, and the recommended one (lowest
     ``rms_error`` among the feasible candidates the pipeline allows) re-calibrated with the full,
     formal guarantee.
@@ -504,10 +515,12 @@ def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = N
     candidate's mechanism file under ``out_dir/candidates/`` and the recommended one as
     ``out_dir/recommended.json``; ``mechanism_file``: where to save the recommended one (a .json
     path).  ``seed`` only fixes the Monte Carlo *screening* samples (the verification of the
-    recommended candidate always draws fresh OS entropy).
+    recommended candidate always draws fresh OS entropy); ``screen_samples``: Monte Carlo samples per
+    screening estimate.
     """
     t_start = time.perf_counter()
     setup = make_setup(setup, **kwargs)
+    screen_samples = check_int("screen_samples", screen_samples, minimum=1)
     if progress is not None and not callable(progress):
         raise CorrnoiseError("progress", "must be a callable (label, done, total)")
     report = progress or (lambda label, done, total: None)
@@ -532,7 +545,7 @@ def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = N
             t0 = time.perf_counter()
             try:
                 res, final = _calibrate(design.strategy, batching, cand.participation, setup.epsilon, setup.delta,
-                                        screen=True, seed=seed)
+                                        screen=True, seed=seed, screen_samples=screen_samples)
             except CorrnoiseError as exc:
                 if exc.param != "epsilon":
                     raise
