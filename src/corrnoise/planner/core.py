@@ -92,6 +92,8 @@ BETAS = (0.5, 0.7, 0.8, 0.9, 0.95)
 MAX_TOEPLITZ_N = 4096
 MAX_DENSE_N = 256
 MAX_TREE_N = 4096
+#: A noise multiplier beyond this counts as "epsilon not reachable" (the accounting search range).
+MAX_NOISE_MULTIPLIER = 1e6
 #: Final re-calibrations at most (each may be a verified Monte Carlo run).
 MAX_FINALIZE = 4
 
@@ -558,6 +560,10 @@ def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = N
             cand.feasible = setup.max_buffers is None or cand.memory_vectors <= setup.max_buffers
             if not cand.feasible:
                 cand.note = f"needs {cand.memory_vectors} noise buffers > max_buffers = {setup.max_buffers}"
+            if cand.noise_multiplier > MAX_NOISE_MULTIPLIER:
+                cand.feasible = False
+                cand.note = f"needs noise multiplier {cand.noise_multiplier:.3g} > {MAX_NOISE_MULTIPLIER:g}"
+                epsilon_errors.append(f"epsilon: {cand.mechanism} under {cand.batching} {cand.note}")
             candidates.append(cand)
     report("final calibration", len(tasks), total)
     recommended = _finalize(candidates, setup, epsilon_errors)
@@ -603,7 +609,8 @@ def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: lis
     pool = [c for c in candidates if c.feasible and c.calibrated and c.final]
     if pool:
         return min(pool, key=_rank_key)
-    if not any(c.calibrated for c in candidates):
+    if not any(c.calibrated for c in candidates) or all(
+            c.noise_multiplier is None or c.noise_multiplier > MAX_NOISE_MULTIPLIER for c in candidates):
         why = epsilon_errors[0] if epsilon_errors else "no candidate could be calibrated"
         raise CorrnoiseError("epsilon", f"no candidate reaches epsilon = {setup.epsilon:g} at delta = {setup.delta:g} "
                              f"({why.split(': ', 1)[-1]})")
