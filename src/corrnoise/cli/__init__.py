@@ -23,6 +23,7 @@ LAZY_COMMANDS = {
     "account": "corrnoise.cli.account:account_command",
     "bench": "corrnoise.cli.bench:bench_group",
     "optimize": "corrnoise.cli.optimize:optimize_command",
+    "plan": "corrnoise.cli.plan:plan_command",
     "train": "corrnoise.train:train_command",
 }
 

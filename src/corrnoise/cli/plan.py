@@ -1,0 +1,129 @@
+"""``corrnoise plan`` (issue #11): which mechanism and how much noise for a training run.
+
+    corrnoise plan (--dataset-size N --batch-size B --epochs K | --steps n --epochs K)
+        --epsilon E --delta D [--max-buffers M] [--only FAMILY,...]
+        [--pipeline auto|poisson|cyclic|balls-in-bins] [--plot FILE.png] [--out DIR]
+        [--mechanism-file FILE.json] [--json]
+
+Prints every candidate (screening numbers, ``kind`` says guarantee or estimate) and the
+recommended one, re-calibrated with the full formal guarantee and saved as a mechanism file
+(``--mechanism-file``, default ``plan-recommended.json``; with ``--out DIR`` every candidate's
+file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on stdout, no progress.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import click
+
+from ..errors import CorrnoiseError
+
+
+@click.command("plan")
+@click.option("--dataset-size", "dataset_size", type=int, default=None, help="Number of training examples N.")
+@click.option("--batch-size", "batch_size", type=int, default=None, help="(Expected) batch size B.")
+@click.option("--steps", "steps", type=int, default=None, help="Number of steps n (instead of N and B).")
+@click.option("--epochs", "epochs", type=int, required=True, help="Epochs K (passes over the data).")
+@click.option("--epsilon", "epsilon", type=float, required=True, help="Target epsilon.")
+@click.option("--delta", "delta", type=float, required=True, help="Target delta, in (0, 1).")
+@click.option("--max-buffers", "max_buffers", type=int, default=None,
+              help="Memory budget: noise vectors of model size kept between steps (more = infeasible).")
+@click.option("--only", "only", default=None, help="Comma-separated families: dpsgd,bandmf,blt,dpcgd,toeplitz,dense,tree.")
+@click.option("--pipeline", default="auto", show_default=True,
+              type=click.Choice(["auto", "poisson", "cyclic", "balls-in-bins"]),
+              help="Batchings the data pipeline can do (cyclic = shuffle once, fixed order: no amplification).")
+@click.option("--plot", "plot", default=None, help="Write a PNG: error vs epsilon of the leading families and the "
+              "recommended strategy's coefficients.")
+@click.option("--out", "out_dir", default=None, help="Directory for every candidate's mechanism file.")
+@click.option("--mechanism-file", "mechanism_file", default=None,
+              help="Where to save the recommended mechanism (default plan-recommended.json, or DIR/recommended.json "
+                   "with --out).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_buffers, only, pipeline, plot, out_dir,
+                 mechanism_file, as_json):
+    """Recommend a mechanism, batching and calibrated noise for a training run."""
+    from ..planner import make_setup, plan
+
+    if plot is not None and not str(plot).lower().endswith(".png"):
+        raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
+    setup = make_setup(epsilon=epsilon, delta=delta, epochs=epochs, dataset_size=dataset_size,
+                       batch_size=batch_size, steps=steps, max_buffers=max_buffers, only=only, pipeline=pipeline)
+    if mechanism_file is None and out_dir is None:
+        mechanism_file = "plan-recommended.json"
+    show = not as_json and sys.stdout.isatty()
+    if show:
+        result = _with_progress(setup, out_dir, mechanism_file)
+    else:
+        result = plan(setup, out_dir=out_dir, mechanism_file=mechanism_file)
+    data = result.to_dict()
+    if plot is not None:
+        from ..planner.plot import plot_plan
+
+        data["plot"] = str(plot_plan(result, plot))
+    if as_json:
+        click.echo(json.dumps(_finite(data), allow_nan=False))
+        return
+    _table(result, data)
+
+
+def _with_progress(setup, out_dir, mechanism_file):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..planner import plan
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task("planning", total=1)
+
+        def progress(label, done, total):
+            bar.update(task, description=f"planning: {label}", completed=done, total=total)
+
+        return plan(setup, progress=progress, out_dir=out_dir, mechanism_file=mechanism_file)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _fmt(x, spec=".4g"):
+    return "-" if x is None else format(x, spec)
+
+
+def _table(result, data) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = result.setup
+    title = (f"corrnoise plan: n = {s.n} steps, {s.steps_per_epoch} per epoch, {s.participations} epochs, "
+             f"p = {s.sampling_probability:.4g}, ({s.epsilon:g}, {s.delta:g})-DP, pipeline {s.pipeline}")
+    table = Table(title=title)
+    cols = ["mechanism", "batching", "accounting", "kind", "noise_std", "sigma", "rms_error", "max_error",
+            "memory", "noise_cost", "feasible", "seconds"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("mechanism", "batching", "accounting", "kind") else "right")
+    rec = result.recommended
+    for c in result.candidates:
+        batching = c.batching if c.batching != "none" else f"none ({c.participation})"
+        row = [c.mechanism, batching, c.accounting or "-", (c.kind or "-") + (" (final)" if c.final else ""),
+               _fmt(c.noise_std), _fmt(c.noise_multiplier), _fmt(c.rms_error), _fmt(c.max_error),
+               str(c.memory_vectors), _fmt(c.noise_cost, ".3g"), "yes" if c.feasible else "no", f"{c.seconds:.1f}"]
+        table.add_row(*row, style="bold green" if c is rec else None)
+    console = Console() if sys.stdout.isatty() else Console(width=170)
+    console.print(table)
+    console.print(f"recommended: [bold]{rec.mechanism}[/bold] with batching {rec.batching}"
+                  f"{' (' + rec.participation + ')' if rec.participation else ''}, noise_std {rec.noise_std:.6g} "
+                  f"(sigma {rec.noise_multiplier:.6g}), {rec.accounting} {rec.kind}; rms_error {rec.rms_error:.4g}")
+    if rec.mechanism_file:
+        console.print(f"mechanism file: {rec.mechanism_file}")
+    if "plot" in data:
+        console.print(f"plot: {data['plot']}")
+    console.print(f"planned in {result.seconds:.1f} s")

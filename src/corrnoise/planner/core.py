@@ -1,0 +1,646 @@
+"""The planner core: which mechanism, which batching and how much noise for one training run.
+
+Setup (:class:`PlanSetup`): ``(dataset_size N, batch_size B, epochs K)`` -- b = N // B steps per
+epoch of fixed-size batches, n = K b steps, sampling probability p = B / N -- or
+``(steps n, epochs K)`` -- b = ceil(n / K), p = 1 / b (an expected batch of N / b).  Then the
+privacy target ``(epsilon, delta)``, an optional memory budget ``max_buffers`` (noise vectors of
+model size kept between steps), the families to consider (``only``) and the batchings the data
+pipeline can do (``pipeline``):
+
+=================  ============================================  =================================
+pipeline           what the data loader can do                    batchings planned
+=================  ============================================  =================================
+``cyclic``         shuffle once, fixed batches in a fixed order   ``none`` (cyclic:k:b participation)
+``poisson``        Poisson sampling (also block-cyclic Poisson)   ``none``, ``poisson``, ``block-cyclic``
+``balls-in-bins``  one bin per example and epoch                  ``none``, ``balls-in-bins``
+``auto``           all of the above                               all
+=================  ============================================  =================================
+
+Candidates (family -> how C is built -> how it is accounted):
+
+- ``dpsgd``: C = I.  ``poisson:P`` (PLD, dp_accounting) and ``none`` (exact Gaussian, cyclic:k:b).
+- ``bandmf:BANDS``: ``optimize_banded_toeplitz(n, BANDS, participation=cyclic:k:b)`` for BANDS in
+  {2, 4, ..., 64} up to b (seed 002 Sec. 4.2: the best BANDS grows with epsilon and falls with the
+  epochs, so a sweep finds it).  ``block-cyclic:BANDS:P`` with P = B BANDS / N (BandMF
+  amplification, tutorial Thm 3.21), ``balls-in-bins:b`` (Monte Carlo, seed 000; C >= 0 only) and
+  ``none``.
+- ``blt:D``: ``optimize_blt(n, buffers=D, participation=cyclic:k:b)`` for D in {1, 2, 4}:
+  ``none`` and ``balls-in-bins:b``.
+- ``dpcgd:BETA``: BETA in {0.5, 0.7, 0.8, 0.9, 0.95} (seed 003 Sec. 5.1: amplification prefers
+  smaller beta than the unamplified optimum, so both ends are swept): ``none`` and
+  ``balls-in-bins:b``.
+- ``toeplitz`` (n <= 4096: full banded Toeplitz optimization), ``dense`` (n <= 256:
+  ``optimize_dense``), ``tree`` (n <= 4096): ``none`` only.
+
+Every C is optimized for the unamplified cyclic participation and reused under amplification.
+
+Screening vs final.  Every candidate is first calibrated cheaply: PLD methods with a 1e-3
+discretization (still a pessimistic, formal guarantee), Monte Carlo with ``estimate=True`` on
+2^15 samples (``kind: "estimate"``: never used to train).  The best feasible candidate by
+``rms_error`` is then re-calibrated with the full analysis (default PLD discretization; verified
+Monte Carlo -- Estimate-Verify-Release, seed 000 Thm 2.1) and the ranking is checked again, until
+the best candidate is a final, formal guarantee.  Only that number is recommended.
+
+Numbers per candidate (DESIGN.md conventions, unit clip norm, prefix workload):
+``rms_error = noise_std ||A C^-1||_F / sqrt(n)``, ``max_error = noise_std max_t ||(A C^-1)[t]||``;
+``memory_vectors`` = model-size noise vectors the streaming generator keeps between steps
+(:func:`corrnoise.noise.make_generator`'s choice: banded b - 1, BLT d, DP-SGD / DP-CGD /
+regenerated Toeplitz, dense and tree 0); ``noise_cost`` = R + A per step, R = model-size
+Gaussian draws and A = model-size multiply-adds, each counted as one randn (an upper bound: a
+multiply-add is cheaper): DP-SGD 1, banded b, BLT 1 + 2d, DP-CGD 3 (z_t, regenerated z_{t-1}, one
+axpy), regenerated C^-1: 2 nnz - 1 per row on average.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..errors import CorrnoiseError, check_int, check_real
+
+__all__ = [
+    "FAMILIES", "PIPELINES", "PlanSetup", "Candidate", "PlanResult", "plan",
+    "SCREEN_DISCRETIZATION", "SCREEN_MC_SAMPLES", "BANDS", "BUFFERS", "BETAS",
+]
+
+FAMILIES = ("dpsgd", "bandmf", "blt", "dpcgd", "toeplitz", "dense", "tree")
+PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
+_PIPELINE_BATCHINGS = {
+    "auto": ("none", "poisson", "block-cyclic", "balls-in-bins"),
+    "poisson": ("none", "poisson", "block-cyclic"),
+    "cyclic": ("none",),
+    "balls-in-bins": ("none", "balls-in-bins"),
+}
+#: PLD value discretization while screening (pessimistic, so still a guarantee; ~10x faster).
+SCREEN_DISCRETIZATION = 1e-3
+#: Monte Carlo samples for a screening estimate (seed 000 App. G.2: far fewer than verification).
+SCREEN_MC_SAMPLES = 1 << 15
+#: Verification keeps delta_hat <= delta / tau (seed 000 Thm 2.1, tau = 1.25 by default), so a
+#: screening estimate aims at delta / tau too: it then ranks a Monte Carlo candidate about where
+#: its verified noise will land, instead of favouring it by the slack verification needs.
+SCREEN_MC_TAU = 1.25
+#: Samples of the calibration that precedes the final verification (the accounting default is
+#: 2^24).  The guarantee comes from the fresh verification sample alone (its size set by delta,
+#: Thm 2.2); fewer calibration samples only widen the upper-confidence margin a little.
+FINAL_MC_SAMPLES = 1 << 20
+BANDS = (2, 4, 8, 16, 32, 64)
+BUFFERS = (1, 2, 4)
+BETAS = (0.5, 0.7, 0.8, 0.9, 0.95)
+MAX_TOEPLITZ_N = 4096
+MAX_DENSE_N = 256
+MAX_TREE_N = 4096
+#: A noise multiplier beyond this counts as "epsilon not reachable" (the accounting search range).
+MAX_NOISE_MULTIPLIER = 1e6
+#: Final re-calibrations at most (each may be a verified Monte Carlo run).
+MAX_FINALIZE = 4
+
+Progress = Callable[[str, int, int], None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanSetup:
+    """What the user knows about the run.  Give (dataset_size, batch_size, epochs) or
+    (steps, epochs)."""
+
+    epsilon: float
+    delta: float
+    epochs: int
+    dataset_size: int | None = None
+    batch_size: int | None = None
+    steps: int | None = None
+    max_buffers: int | None = None
+    only: tuple[str, ...] | None = None
+    pipeline: str = "auto"
+
+    def __post_init__(self):
+        eps = check_real("epsilon", self.epsilon, low=0.0, low_open=True)
+        delta = check_real("delta", self.delta, low=0.0, high=1.0, low_open=True, high_open=True)
+        epochs = check_int("epochs", self.epochs, minimum=1)
+        object.__setattr__(self, "epsilon", eps)
+        object.__setattr__(self, "delta", delta)
+        object.__setattr__(self, "epochs", epochs)
+        by_data = self.dataset_size is not None or self.batch_size is not None
+        if by_data and self.steps is not None:
+            raise CorrnoiseError("steps", "give either (dataset_size, batch_size, epochs) or (steps, epochs), not both")
+        if by_data:
+            if self.dataset_size is None or self.batch_size is None:
+                missing = "dataset_size" if self.dataset_size is None else "batch_size"
+                raise CorrnoiseError(missing, "is needed with (dataset_size, batch_size, epochs)")
+            n_ex = check_int("dataset_size", self.dataset_size, minimum=1)
+            bs = check_int("batch_size", self.batch_size, minimum=1)
+            if bs > n_ex:
+                raise CorrnoiseError("batch_size", f"must be <= dataset_size = {n_ex}, got {bs}")
+            object.__setattr__(self, "dataset_size", n_ex)
+            object.__setattr__(self, "batch_size", bs)
+        elif self.steps is None:
+            raise CorrnoiseError("steps", "give (dataset_size, batch_size, epochs) or (steps, epochs)")
+        else:
+            steps = check_int("steps", self.steps, minimum=1)
+            if steps < epochs:
+                raise CorrnoiseError("epochs", f"must be <= steps = {steps} (at least one step per epoch), got {epochs}")
+            object.__setattr__(self, "steps", steps)
+        if self.max_buffers is not None:
+            object.__setattr__(self, "max_buffers", check_int("max_buffers", self.max_buffers, minimum=0))
+        object.__setattr__(self, "only", _check_only(self.only))
+        pipeline = str(self.pipeline).strip().lower()
+        if pipeline not in PIPELINES:
+            raise CorrnoiseError("pipeline", f"must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
+        object.__setattr__(self, "pipeline", pipeline)
+
+    # --- derived ------------------------------------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int:
+        """b: fixed-size batches per epoch (N // B), or ceil(n / K) given the steps."""
+        if self.steps is None:
+            return self.dataset_size // self.batch_size
+        return -(-self.steps // self.epochs)
+
+    @property
+    def n(self) -> int:
+        """The number of steps."""
+        return self.epochs * self.steps_per_epoch if self.steps is None else self.steps
+
+    @property
+    def participations(self) -> int:
+        """k: how often an example takes part in cyclic order, ceil(n / b)."""
+        return -(-self.n // self.steps_per_epoch)
+
+    @property
+    def sampling_probability(self) -> float:
+        """p = B / N (or 1 / b given the steps): one example's rate per step."""
+        if self.steps is None:
+            return self.batch_size / self.dataset_size
+        return 1.0 / self.steps_per_epoch
+
+    @property
+    def participation(self) -> str:
+        return f"cyclic:{self.participations}:{self.steps_per_epoch}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.only is not None:
+            out["only"] = list(self.only)
+        out.update(n=self.n, steps_per_epoch=self.steps_per_epoch, participations=self.participations,
+                   sampling_probability=self.sampling_probability, participation=self.participation)
+        return out
+
+
+def _check_only(only) -> tuple[str, ...] | None:
+    if only is None:
+        return None
+    if isinstance(only, str):
+        only = [s for s in only.split(",")]
+    names = tuple(str(s).strip().lower() for s in only if str(s).strip())
+    if not names:
+        raise CorrnoiseError("only", f"names no family; choose from {', '.join(FAMILIES)}")
+    for name in names:
+        if name not in FAMILIES:
+            raise CorrnoiseError("only", f"unknown family {name!r}; choose from {', '.join(FAMILIES)}")
+    return names
+
+
+def make_setup(setup: PlanSetup | dict | None = None, **kwargs: Any) -> PlanSetup:
+    """A :class:`PlanSetup` from one, from a dict, or from keyword arguments."""
+    if isinstance(setup, PlanSetup):
+        if kwargs:
+            from dataclasses import replace
+
+            return replace(setup, **kwargs)
+        return setup
+    if setup is None:
+        setup = {}
+    if not isinstance(setup, dict):
+        raise CorrnoiseError("setup", f"expected a PlanSetup or a dict, got {type(setup).__name__}")
+    args = {**setup, **kwargs}
+    for key in ("epsilon", "delta", "epochs"):
+        if key not in args:
+            raise CorrnoiseError(key, "is required")
+    known = set(PlanSetup.__dataclass_fields__)
+    for key in args:
+        if key not in known:
+            raise CorrnoiseError(key, f"is not a planner setting (known: {', '.join(sorted(known))})")
+    return PlanSetup(**args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Candidates and results
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    """One mechanism + batching with its calibrated noise (JSON via :meth:`to_dict`)."""
+
+    family: str
+    mechanism: str
+    batching: str
+    participation: str | None
+    strategy_label: str
+    memory_vectors: int
+    noise_cost: float
+    mean_error: float  # ||A C^-1||_F / sqrt(n)  (per unit noise_std)
+    max_error_unit: float  # max_t ||(A C^-1)[t]||
+    accounting: str | None = None
+    kind: str | None = None
+    noise_std: float | None = None
+    noise_multiplier: float | None = None
+    epsilon: float | None = None
+    rms_error: float | None = None
+    max_error: float | None = None
+    feasible: bool = False
+    final: bool = False
+    seconds: float = 0.0
+    note: str | None = None
+    mechanism_file: str | None = None
+    accounting_details: dict[str, Any] = field(default_factory=dict)
+    strategy: Any = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "family": self.family, "mechanism": self.mechanism, "strategy": self.strategy_label,
+            "batching": self.batching, "participation": self.participation, "accounting": self.accounting,
+            "kind": self.kind, "noise_std": self.noise_std, "noise_multiplier": self.noise_multiplier,
+            "epsilon": self.epsilon, "rms_error": self.rms_error, "max_error": self.max_error,
+            "memory_vectors": self.memory_vectors, "noise_cost": self.noise_cost, "feasible": self.feasible,
+            "final": self.final, "seconds": round(self.seconds, 4),
+        }
+        if self.note:
+            out["note"] = self.note
+        if self.mechanism_file:
+            out["mechanism_file"] = self.mechanism_file
+        if self.accounting_details:
+            out["accounting_details"] = self.accounting_details
+        return out
+
+    @property
+    def amplified(self) -> bool:
+        return self.batching != "none"
+
+    @property
+    def calibrated(self) -> bool:
+        return self.noise_std is not None
+
+
+@dataclass
+class PlanResult:
+    """All candidates (screening numbers unless ``final``) and the recommended one (final,
+    ``kind == "guarantee"``)."""
+
+    setup: PlanSetup
+    candidates: list[Candidate]
+    recommended: Candidate
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"setup": self.setup.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
+                "recommended": self.recommended.to_dict(), "seconds": round(self.seconds, 3)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration (screening and final)
+# ----------------------------------------------------------------------------------------------
+_NO_DISCRETIZATION: set[str] = set()
+
+
+def _calibrate(strategy, batching: str, participation: str | None, epsilon: float, delta: float, screen: bool,
+               seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES):
+    """(PrivacyResult, final?) for ``strategy`` under ``batching``.  Screening: coarse PLD
+    discretization where the method takes one, Monte Carlo estimates; final: full analysis
+    (verified Monte Carlo).  Uses only the public accounting functions."""
+    from ..accounting import calibrate, get_method, parse_batching
+
+    bat = parse_batching(batching, participation if batching == "none" else None)
+    if isinstance(bat, _balls_in_bins_class()):
+        if not screen:
+            return calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES), True
+        aim = delta / SCREEN_MC_TAU
+        try:
+            res = calibrate(strategy, bat, epsilon=epsilon, delta=aim, estimate=True, samples=screen_samples, seed=seed)
+        except CorrnoiseError as exc:
+            if exc.param != "estimate":
+                raise
+            # calibrate() releases only guarantees; a screening estimate is asked for from the
+            # method itself (it is labelled kind="estimate" and never recommended as such)
+            res = get_method("mc").calibrate(strategy, bat, epsilon, aim, samples=screen_samples,
+                                             seed=seed, estimate=True)
+        if res.kind != "guarantee":
+            res = res.with_extras(screened_at_delta=aim)
+        return res, res.kind == "guarantee"
+    from ..accounting import choose_method
+
+    method = choose_method(strategy, bat)
+    if screen and method not in _NO_DISCRETIZATION:
+        try:
+            return calibrate(strategy, bat, epsilon=epsilon, delta=delta,
+                             discretization=SCREEN_DISCRETIZATION), False
+        except CorrnoiseError as exc:
+            if exc.param != "discretization":
+                raise
+            _NO_DISCRETIZATION.add(method)
+    return calibrate(strategy, bat, epsilon=epsilon, delta=delta), True
+
+
+def _balls_in_bins_class():
+    from ..accounting import BallsInBins
+
+    return BallsInBins
+
+
+def _apply(cand: Candidate, res, final: bool, seconds: float) -> None:
+    cand.accounting = res.method
+    cand.kind = res.kind
+    cand.noise_std = float(res.noise_std)
+    cand.noise_multiplier = float(res.noise_multiplier)
+    cand.epsilon = float(res.epsilon)
+    cand.rms_error = cand.noise_std * cand.mean_error
+    cand.max_error = cand.noise_std * cand.max_error_unit
+    cand.final = bool(final and res.kind == "guarantee")
+    cand.seconds += seconds
+    keep = ("verified", "failure_probability", "samples", "std_error_add", "std_error_remove", "gdp_mu",
+            "calibration_evaluations", "discretization", "screened_at_delta")
+    cand.accounting_details = {k: v for k, v in res.extras.items() if k in keep and _jsonable(v)}
+
+
+def _jsonable(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+# ----------------------------------------------------------------------------------------------
+# Strategies per family
+# ----------------------------------------------------------------------------------------------
+def _errors(strategy) -> tuple[float, float]:
+    from ..losses import error_summary
+
+    mean, mx = error_summary(strategy)
+    return float(mean), float(mx)
+
+
+def _regenerate_cost(noising) -> float:
+    """2 * mean nnz per row of C^-1 - 1: nnz draws and nnz - 1 multiply-adds per step."""
+    import numpy as np
+
+    nnz = np.count_nonzero(np.abs(noising) > 1e-12, axis=1)
+    return float(2.0 * nnz.mean() - 1.0)
+
+
+def _toeplitz_regenerate_cost(inverse_coefficients, n: int) -> float:
+    import numpy as np
+
+    nz = (np.abs(np.asarray(inverse_coefficients)[:n]) > 1e-12).astype(float)
+    return float(2.0 * np.cumsum(nz).mean() - 1.0)
+
+
+@dataclass
+class _Design:
+    """One strategy and the batchings to calibrate it under."""
+
+    family: str
+    mechanism: str
+    strategy: Any
+    memory: int
+    cost: float
+    batchings: list[str]
+    seconds: float
+
+
+def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]:
+    """(label, build) for every strategy the setup allows; build() optimizes it."""
+    n, b, part = setup.n, setup.steps_per_epoch, setup.participation
+    allowed = _PIPELINE_BATCHINGS[setup.pipeline]
+    families = setup.only or FAMILIES
+    bins_ok = "balls-in-bins" in allowed and n % b == 0 and b >= 1
+    bins = f"balls-in-bins:{b}"
+    tasks: list[tuple[str, Callable[[], _Design | None]]] = []
+
+    def timed(fn):
+        def run():
+            t0 = time.perf_counter()
+            design = fn()
+            design.seconds = time.perf_counter() - t0
+            return design
+        return run
+
+    if "dpsgd" in families:
+        def dpsgd():
+            from ..strategies import Identity
+
+            bats = ["none"] + (["poisson"] if "poisson" in allowed else [])
+            return _Design("dpsgd", "dpsgd", Identity(n), 0, 1.0, bats, 0.0)
+        tasks.append(("dpsgd", timed(dpsgd)))
+    if "bandmf" in families:
+        for bands in BANDS:
+            if bands > b or bands > n:
+                continue
+
+            def bandmf(bands=bands):
+                from ..optimize import optimize_banded_toeplitz
+
+                strat = optimize_banded_toeplitz(n, bands, participation=part)
+                bats = ["none"]
+                if "block-cyclic" in allowed:
+                    bats.append(f"block-cyclic:{bands}")
+                if bins_ok and strat.is_nonnegative():
+                    bats.append(bins)
+                return _Design("bandmf", f"bandmf:{bands}", strat, bands - 1, float(bands), bats, 0.0)
+            tasks.append((f"bandmf:{bands}", timed(bandmf)))
+    if "blt" in families and n >= 2:
+        for d in BUFFERS:
+            def blt(d=d):
+                from ..optimize import optimize_blt
+
+                strat = optimize_blt(n, buffers=d, participation=part)
+                d_eff = len(strat.alpha)
+                bats = ["none"] + ([bins] if bins_ok and strat.is_nonnegative() else [])
+                return _Design("blt", f"blt:{d_eff}", strat, d_eff, 1.0 + 2.0 * d_eff, bats, 0.0)
+            tasks.append((f"blt:{d}", timed(blt)))
+    if "dpcgd" in families:
+        for beta in BETAS:
+            def dpcgd(beta=beta):
+                from ..strategies import DPCGD
+
+                strat = DPCGD(beta, n)
+                bats = ["none"] + ([bins] if bins_ok else [])
+                return _Design("dpcgd", f"dpcgd:{beta:g}", strat, 0, 3.0, bats, 0.0)
+            tasks.append((f"dpcgd:{beta:g}", timed(dpcgd)))
+    if "toeplitz" in families and 2 <= n <= MAX_TOEPLITZ_N:
+        def toeplitz():
+            from ..optimize import optimize_banded_toeplitz
+
+            strat = optimize_banded_toeplitz(n, n, participation=part)
+            cost = _toeplitz_regenerate_cost(strat.inverse_coefficients, n)
+            return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
+        tasks.append(("toeplitz", timed(toeplitz)))
+    if "dense" in families and 2 <= n <= MAX_DENSE_N:
+        def dense():
+            from ..optimize import optimize_dense
+
+            strat = optimize_dense(n, participation=part)
+            return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
+        tasks.append(("dense", timed(dense)))
+    if "tree" in families and 2 <= n <= MAX_TREE_N:
+        def tree():
+            from ..strategies import Tree
+
+            strat = Tree(n)
+            return _Design("tree", "tree", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
+        tasks.append(("tree", timed(tree)))
+    return tasks
+
+
+def _batching_spec(spec: str, setup: PlanSetup) -> str:
+    """The SPEC with its probability: poisson:P, block-cyclic:BLOCKS:P (P = B BLOCKS / N)."""
+    if spec == "poisson":
+        return f"poisson:{setup.sampling_probability!r}"
+    if spec.startswith("block-cyclic:"):
+        blocks = int(spec.split(":")[1])
+        p = min(1.0, setup.sampling_probability * blocks)
+        return f"block-cyclic:{blocks}:{p!r}"
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------
+# plan()
+# ----------------------------------------------------------------------------------------------
+def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = None, out_dir: str | Path | None = None,
+         mechanism_file: str | Path | None = None, seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES,
+         **kwargs: Any) -> PlanResult:
+    """Plan a run: every valid candidate with its screened noise, and the recommended one (lowest
+    ``rms_error`` among the feasible candidates the pipeline allows) re-calibrated with the full,
+    formal guarantee.
+
+    ``setup``: a :class:`PlanSetup`, a dict of its fields, or its fields as keyword arguments.
+    ``progress(label, done, total)`` is called as work completes.  ``out_dir``: save every
+    candidate's mechanism file under ``out_dir/candidates/`` and the recommended one as
+    ``out_dir/recommended.json``; ``mechanism_file``: where to save the recommended one (a .json
+    path).  ``seed`` only fixes the Monte Carlo *screening* samples (the verification of the
+    recommended candidate always draws fresh OS entropy); ``screen_samples``: Monte Carlo samples per
+    screening estimate.
+    """
+    t_start = time.perf_counter()
+    setup = make_setup(setup, **kwargs)
+    screen_samples = check_int("screen_samples", screen_samples, minimum=1)
+    if progress is not None and not callable(progress):
+        raise CorrnoiseError("progress", "must be a callable (label, done, total)")
+    report = progress or (lambda label, done, total: None)
+    tasks = _designs(setup)
+    if not tasks:
+        raise CorrnoiseError("only", f"no family in {','.join(setup.only or FAMILIES)} applies to n = {setup.n} steps "
+                             f"(toeplitz/tree need n <= {MAX_TOEPLITZ_N}, dense n <= {MAX_DENSE_N})")
+    total = len(tasks) + 1
+    candidates: list[Candidate] = []
+    epsilon_errors: list[str] = []
+    for i, (label, build) in enumerate(tasks):
+        report(label, i, total)
+        design = build()
+        mean_error, max_error = _errors(design.strategy)
+        for spec in design.batchings:
+            batching = _batching_spec(spec, setup)
+            cand = Candidate(
+                family=design.family, mechanism=design.mechanism, batching=batching,
+                participation=setup.participation if batching == "none" else None,
+                strategy_label=design.strategy.label, memory_vectors=design.memory, noise_cost=design.cost,
+                mean_error=mean_error, max_error_unit=max_error, seconds=design.seconds, strategy=design.strategy)
+            t0 = time.perf_counter()
+            try:
+                res, final = _calibrate(design.strategy, batching, cand.participation, setup.epsilon, setup.delta,
+                                        screen=True, seed=seed, screen_samples=screen_samples)
+            except CorrnoiseError as exc:
+                if exc.param != "epsilon":
+                    raise
+                cand.note = str(exc)
+                cand.seconds += time.perf_counter() - t0
+                epsilon_errors.append(str(exc))
+                candidates.append(cand)
+                continue
+            _apply(cand, res, final, time.perf_counter() - t0)
+            cand.feasible = setup.max_buffers is None or cand.memory_vectors <= setup.max_buffers
+            if not cand.feasible:
+                cand.note = f"needs {cand.memory_vectors} noise buffers > max_buffers = {setup.max_buffers}"
+            if cand.noise_multiplier > MAX_NOISE_MULTIPLIER:
+                cand.feasible = False
+                cand.note = f"needs noise multiplier {cand.noise_multiplier:.3g} > {MAX_NOISE_MULTIPLIER:g}"
+                epsilon_errors.append(f"epsilon: {cand.mechanism} under {cand.batching} {cand.note}")
+            candidates.append(cand)
+    report("final calibration", len(tasks), total)
+    recommended = _finalize(candidates, setup, epsilon_errors)
+    report("done", total, total)
+    if out_dir is not None:
+        out = Path(out_dir)
+        for cand in candidates:
+            if cand.calibrated:
+                name = f"{cand.mechanism}__{cand.batching.split(':')[0]}".replace(":", "-")
+                cand.mechanism_file = str(_save(cand, setup, out / "candidates" / f"{name}.json"))
+        if mechanism_file is None:
+            mechanism_file = out / "recommended.json"
+    if mechanism_file is not None:
+        recommended.mechanism_file = str(_save(recommended, setup, Path(mechanism_file)))
+    candidates.sort(key=_rank_key)
+    return PlanResult(setup, candidates, recommended, time.perf_counter() - t_start)
+
+
+def _rank_key(c: Candidate):
+    return (not c.feasible, c.rms_error if c.rms_error is not None else math.inf)
+
+
+def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: list[str]) -> Candidate:
+    """Re-calibrate the best feasible candidate with the full guarantee until the best one is final."""
+    for _ in range(MAX_FINALIZE + 1):
+        pool = [c for c in candidates if c.feasible and c.calibrated]
+        if not pool:
+            break
+        best = min(pool, key=_rank_key)
+        if best.final:
+            return best
+        t0 = time.perf_counter()
+        try:
+            res, final = _calibrate(best.strategy, best.batching, best.participation, setup.epsilon, setup.delta,
+                                    screen=False)
+        except CorrnoiseError as exc:  # a failed verification: never recommended
+            best.feasible, best.note = False, f"final calibration failed: {exc}"
+            best.seconds += time.perf_counter() - t0
+            continue
+        _apply(best, res, final, time.perf_counter() - t0)
+        if res.kind != "guarantee":  # pragma: no cover - calibrate() only releases guarantees
+            best.feasible, best.note = False, "final calibration gave no guarantee"
+    pool = [c for c in candidates if c.feasible and c.calibrated and c.final]
+    if pool:
+        return min(pool, key=_rank_key)
+    if not any(c.calibrated for c in candidates) or all(
+            c.noise_multiplier is None or c.noise_multiplier > MAX_NOISE_MULTIPLIER for c in candidates):
+        why = epsilon_errors[0] if epsilon_errors else "no candidate could be calibrated"
+        raise CorrnoiseError("epsilon", f"no candidate reaches epsilon = {setup.epsilon:g} at delta = {setup.delta:g} "
+                             f"({why.split(': ', 1)[-1]})")
+    if setup.max_buffers is not None and not any(c.feasible for c in candidates):
+        raise CorrnoiseError("max_buffers", f"no candidate fits in {setup.max_buffers} noise buffers; raise it")
+    raise CorrnoiseError("epsilon", f"no candidate got a final guarantee for epsilon = {setup.epsilon:g}")
+
+
+def _save(cand: Candidate, setup: PlanSetup, path: Path) -> Path:
+    from ..strategies import save_mechanism
+
+    designed_for = {
+        "participation": setup.participation, "objective": "rms", "workload": "prefix",
+        "batching": cand.batching, "epsilon": setup.epsilon, "delta": setup.delta,
+        "noise_std": cand.noise_std, "noise_multiplier": cand.noise_multiplier, "accounting": cand.accounting,
+        "kind": cand.kind, "planned_by": "corrnoise plan",
+    }
+    losses = {"mean_error": cand.mean_error, "max_error": cand.max_error_unit, "rms_error": cand.rms_error,
+              "max_error_at_noise": cand.max_error}
+    return save_mechanism(cand.strategy, path, designed_for=designed_for, losses=losses)
+
+
+def error_curve(cand: Candidate, setup: PlanSetup, epsilons: Iterable[float], seed: int | None = None) -> list[tuple[float, float | None]]:
+    """(epsilon, rms_error) of ``cand``'s strategy and batching at other epsilons (screening numbers)."""
+    out = []
+    for eps in epsilons:
+        try:
+            res, _ = _calibrate(cand.strategy, cand.batching, cand.participation, float(eps), setup.delta, screen=True,
+                                seed=seed)
+            out.append((float(eps), float(res.noise_std) * cand.mean_error))
+        except CorrnoiseError:
+            out.append((float(eps), None))
+    return out
