@@ -251,12 +251,17 @@ def test_load_fashion_standardizes_with_public_constants(no_fashion, monkeypatch
 # --- digits, MNIST-1D, registry --------------------------------------------------------------
 
 def test_digits_split_unchanged():
-    from corrnoise.train import load_digits_split
+    """The fixed stratified 80/20 split (seed 0) and the constant 1/16 scaling, recomputed here."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
 
+    raw = load_digits()
+    xtr, xte, ytr, yte = train_test_split((raw.data / 16.0).astype(np.float32), raw.target.astype(np.int64),
+                                          test_size=0.2, random_state=0, stratify=raw.target)
     ds = load("digits")
-    for a, b in zip(ds.arrays(), load_digits_split()):
-        np.testing.assert_array_equal(a, b.numpy())
-        assert a.dtype == b.numpy().dtype
+    for a, b in zip(ds.arrays(), (xtr, ytr, xte, yte)):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
     assert ds.x_train.shape == (1437, 64) and ds.x_test.shape == (360, 64)
 
 
@@ -331,11 +336,10 @@ def test_fashion_cnn_has_26010_parameters():
 def test_small_models_match_their_datasets():
     import torch
 
-    from corrnoise import train
     from corrnoise.models import mlp, model_for, num_parameters
 
-    torch.manual_seed(0)
-    a = train._model(32)
+    torch.manual_seed(0)  # the digits model: Linear(64, 32), Tanh, Linear(32, 10) (the former train._model)
+    a = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
     torch.manual_seed(0)
     b = model_for("digits")
     assert [p.shape for p in a.parameters()] == [p.shape for p in b.parameters()]

@@ -23,12 +23,10 @@ from typing import Any, Callable
 
 from .errors import CorrnoiseError, check_int, check_real
 
-__all__ = ["train", "PIPELINES", "FAMILIES", "resolve_device"]
+__all__ = ["train", "PIPELINES", "resolve_device"]
 
 #: the data pipelines a user may have (``--batching``)
 PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
-#: mechanism families the planner chooses among (``--mechanism``), besides explicit names
-FAMILIES = ("auto", "dpsgd", "bandmf", "blt", "dpcgd")
 
 
 def resolve_device(device: str = "auto"):
@@ -86,7 +84,7 @@ def train(
 
     from .datasets import DATASETS, load
     from .models import model_for
-    from .torch import make_private
+    from .torch.front import make_private
 
     start = time.perf_counter()
     if dataset not in DATASETS:
@@ -124,10 +122,11 @@ def train(
            else torch.optim.Adam(params, lr=lr))
     xtr, ytr, xte, yte = data.tensors()
     loader = DataLoader(torch.utils.data.TensorDataset(xtr, ytr), batch_size=batch)
+    length = {"steps": choice["steps"]} if "steps" in choice else {"epochs": epochs}
     model, opt, loader = make_private(
         model, opt, loader, mechanism=choice["mechanism"], batching=choice["batching"], delta=delta,
-        epochs=epochs, max_grad_norm=clip, seed=seed, noise_seed=noise_seed,
-        max_physical_batch_size=max_physical_batch_size, **choice["noise"])
+        max_grad_norm=clip, seed=seed, noise_seed=noise_seed, max_physical_batch_size=max_physical_batch_size,
+        **length, **choice["noise"])
     criterion = torch.nn.CrossEntropyLoss()
     loss_sum, loss_count, done = 0.0, 0, 0
     model.train()
@@ -195,19 +194,40 @@ def _accuracy(model, x, y, dev, chunk: int = 4096) -> float:
 
 def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epochs: float, epsilon: float,
                      delta: float, pipeline: str, progress=None) -> dict[str, Any]:
-    """What to train: ``{"mechanism", "batching", "noise", "label", "candidates"}``.
+    """What to train: ``{"mechanism", "batching", "steps" | "epochs", "noise", "label", "candidates"}``.
 
-    Families and ``auto`` go to the planner (:mod:`corrnoise.planner`), which returns the
-    mechanism, its batching for the pipeline and the noise of a formal guarantee; an explicit
-    name is trained as named and calibrated by the front door for ``epsilon``.
+    ``auto`` and the planner's families (:data:`corrnoise.planner.FAMILIES`) go to the planner,
+    which returns the mechanism, its batching for the pipeline and the guarantee its noise was
+    calibrated to (verified where it is Monte Carlo); an explicit name is trained as named and
+    calibrated by the front door for ``epsilon``.
     """
-    if mechanism in FAMILIES:
-        from .planner import recommend
+    from .planner import FAMILIES as PLANNED
 
-        rec = recommend(dataset_size=num_examples, batch_size=batch_size, epochs=epochs, epsilon=epsilon,
-                        delta=delta, pipeline=pipeline, only=None if mechanism == "auto" else (mechanism,),
-                        progress=progress)
+    if mechanism == "auto" or mechanism in PLANNED:
+        from .planner import plan
+
+        if not float(epochs).is_integer():
+            raise CorrnoiseError("epochs", f"the planner plans whole epochs, got {epochs:g}")
+        result = plan(dataset_size=num_examples, batch_size=batch_size, epochs=int(epochs), epsilon=epsilon,
+                      delta=delta, pipeline=pipeline, only=None if mechanism == "auto" else (mechanism,),
+                      progress=progress)
+        rec = result.recommended
         return {"mechanism": rec.strategy, "batching": _sampler_batching(rec.batching), "label": rec.mechanism,
-                "noise": {"noise_std": rec.noise_std}, "candidates": rec.summary}
-    explicit = "auto" if pipeline == "auto" else pipeline
-    return {"mechanism": mechanism, "batching": explicit, "label": mechanism, "noise": {"epsilon": epsilon}}
+                "noise": {"guarantee": rec.result}, "steps": result.setup.n,
+                "candidates": [c.to_dict() for c in result.candidates]}
+    from .strategies import parse_strategy
+
+    try:
+        parse_strategy(mechanism, max(1, round(epochs * num_examples / batch_size)))
+    except CorrnoiseError as exc:
+        raise CorrnoiseError("mechanism", f"{exc.message}; or a family: auto, {', '.join(PLANNED)}") from None
+    batching = pipeline
+    if pipeline == "poisson":  # Poisson sampling: every step for DP-SGD, within blocks for a banded C
+        from .torch.front import choose_batching
+
+        probe = parse_strategy(mechanism, max(1, round(epochs * num_examples / batch_size)))
+        batching = choose_batching(probe, num_examples, batch_size)
+        if batching not in ("poisson", "block-cyclic"):
+            batching = "poisson"  # any other C: Poisson with the accounting that suits it (MMCC)
+    return {"mechanism": mechanism, "batching": batching, "label": mechanism, "noise": {"epsilon": epsilon},
+            "epochs": epochs}

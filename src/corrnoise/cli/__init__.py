@@ -24,7 +24,7 @@ LAZY_COMMANDS = {
     "bench": "corrnoise.cli.bench:bench_group",
     "optimize": "corrnoise.cli.optimize:optimize_command",
     "plan": "corrnoise.cli.plan:plan_command",
-    "train": "corrnoise.train:train_command",
+    "train": "corrnoise.cli.train:train_command",
 }
 
 

@@ -258,6 +258,8 @@ class Candidate:
     mechanism_file: str | None = None
     accounting_details: dict[str, Any] = field(default_factory=dict)
     strategy: Any = field(default=None, repr=False)
+    #: the PrivacyResult behind the numbers (a guarantee when ``final``); not in :meth:`to_dict`
+    result: Any = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -351,6 +353,7 @@ def _balls_in_bins_class():
 
 
 def _apply(cand: Candidate, res, final: bool, seconds: float) -> None:
+    cand.result = res
     cand.accounting = res.method
     cand.kind = res.kind
     cand.noise_std = float(res.noise_std)

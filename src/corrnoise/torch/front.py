@@ -388,6 +388,20 @@ class DPOptimizer(torch.optim.Optimizer):
         self.context.current_step = None
 
 
+def _matching_guarantee(guarantee: PrivacyResult, agreement, delta: float) -> PrivacyResult:
+    """``guarantee`` if it is the accounting of exactly this run (mechanism, steps, batching,
+    delta), else a one-line error naming what differs."""
+    event = agreement.event
+    mine = {"mechanism": event.mechanism.label, "n": int(event.mechanism.n), "batching": agreement.batching.spec}
+    for key, value in mine.items():
+        theirs = guarantee.extras.get(key)
+        if theirs != value:
+            raise CorrnoiseError("guarantee", f"was computed for {key} = {theirs!r}, this run has {value!r}")
+    if guarantee.delta > delta:
+        raise CorrnoiseError("guarantee", f"has delta {guarantee.delta:g} > the run's delta {delta:g}")
+    return guarantee
+
+
 def _accounted_steps(batching, steps: int) -> int:
     """The steps :func:`corrnoise.torch.optimizer.privacy_spent` analyses after ``steps`` steps."""
     from ..accounting import BallsInBins
@@ -437,6 +451,7 @@ def make_private(
     epsilon: float | None = None,
     noise_multiplier: float | None = None,
     noise_std: float | None = None,
+    guarantee: PrivacyResult | None = None,
     epochs: float | None = None,
     steps: int | None = None,
     batching: str = "auto",
@@ -456,7 +471,9 @@ def make_private(
     batches come from the sampler the accounting analyses). ``mechanism``: ``auto``, a name
     (``identity``, ``bsr:4``, ``dpcgd:0.9``, ``blt:...``), a mechanism file or a Strategy.
     Exactly one of ``epsilon`` (calibrate), ``noise_multiplier`` (sigma = noise_std /
-    ||C||_col) and ``noise_std``. Exactly one of ``epochs`` and ``steps``. ``batching``: one of
+    ||C||_col), ``noise_std``, and ``guarantee`` (a PrivacyResult of kind "guarantee" already
+    calibrated for this mechanism, batching and number of steps, e.g. the planner's
+    recommendation: its noise is used and ``privacy_spent()`` of the finished run returns it). Exactly one of ``epochs`` and ``steps``. ``batching``: one of
     ``auto, poisson, block-cyclic, balls-in-bins, cyclic`` (``auto``: Poisson for DP-SGD,
     block-cyclic Poisson for banded C, balls-in-bins for other non-negative C, cyclic otherwise).
     ``loss_reduction``: how the user's loss reduces over the batch (``mean``, Opacus's
@@ -478,11 +495,20 @@ def make_private(
     if mechanism == "auto":
         mechanism = choose_mechanism(len(dataset), batch_size, epochs=epochs, steps=steps, epsilon=epsilon,
                                      delta=delta)
+    if guarantee is not None:
+        if any(v is not None for v in (epsilon, noise_std, noise_multiplier)):
+            raise CorrnoiseError("guarantee", "give a guarantee or one of epsilon, noise_std, noise_multiplier, not both")
+        if not isinstance(guarantee, PrivacyResult) or guarantee.kind != "guarantee":
+            raise CorrnoiseError("guarantee", "must be a PrivacyResult of kind 'guarantee' (estimates and lower "
+                                 "bounds never calibrate training noise)")
+        noise_std = guarantee.noise_std
     strategy, sampler, agreement, nu, calibration = plan_private(
         dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
         noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps,
         sampler=_sampling_for(batching, mechanism, len(dataset), batch_size, epochs, steps), seed=seed, accounting_method=accounting_method,
         accounting_options=accounting_options)
+    if guarantee is not None:
+        calibration = _matching_guarantee(guarantee, agreement, delta)
     engine = ClippingEngine(module, loss_reduction=loss_reduction, max_grad_norm=max_grad_norm)
     params = list(engine.parameters)
     privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=max_grad_norm,

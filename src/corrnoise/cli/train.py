@@ -1,0 +1,88 @@
+"""``corrnoise train``: private training on a bundled or local dataset (docs/cli.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .report import emit
+
+
+def _progress_bar(enabled: bool):
+    """A (label, done, total) callback driving one rich progress bar on a terminal, or None."""
+    if not enabled:
+        return None, None
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    tasks: dict[str, int] = {}
+
+    def report(label: str, done: int, total: int) -> None:
+        key = "training" if label == "training" else "planning"
+        if key not in tasks:
+            tasks[key] = bar.add_task(key, total=total)
+        bar.update(tasks[key], completed=done, total=total, description=label)
+
+    return bar, report
+
+
+@click.command("train")
+@click.option("--dataset", type=click.Choice(["digits", "mnist1d", "fashion-mnist"]), default="digits",
+              show_default=True, help="digits (scikit-learn), mnist1d (generated offline), fashion-mnist "
+              "(local files: make data).")
+@click.option("--mechanism", default="auto", show_default=True,
+              help="auto (the planner's choice) | a family: dpsgd, bandmf, blt, dpcgd, toeplitz, dense, tree | "
+                   "a mechanism name or file (bsr:4, dpcgd:0.9, plan/recommended.json).")
+@click.option("--batching", type=click.Choice(["auto", "poisson", "cyclic", "balls-in-bins"]), default="auto",
+              show_default=True, help="The data pipeline you have: poisson sampling, cyclic (shuffle once, fixed "
+              "batches, no amplification), balls-in-bins, or auto (any).")
+@click.option("--epsilon", type=float, required=True, help="Target epsilon (the reported one never exceeds it).")
+@click.option("--delta", type=float, required=True, help="Target delta.")
+@click.option("--epochs", type=float, default=None, help="Passes over the training data (default: the dataset's).")
+@click.option("--batch-size", type=int, default=None, help="(Expected) batch size B (default: the dataset's).")
+@click.option("--lr", type=float, default=None, help="Learning rate (default: the dataset's).")
+@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default=None, help="sgd or adam.")
+@click.option("--momentum", type=float, default=None, help="SGD momentum (default: the dataset's).")
+@click.option("--clip-norm", type=float, default=None, help="Per-example clip norm (default: the dataset's).")
+@click.option("--physical-batch-size", type=int, default=None,
+              help="Cut each sampled batch into micro-batches of at most this size (memory; same result).")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order and model init.")
+@click.option("--noise-seed", type=int, default=None,
+              help="Fix the noise seed (reproducible experiments only: it lets anyone remove the noise). "
+                   "Default: a secret seed from the OS.")
+@click.option("--compare", default=None, help="Also train this mechanism (e.g. dpsgd) at the same budget and "
+              "pipeline, and report both.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_size, lr, optimizer, momentum, clip_norm,
+                  physical_batch_size, device, seed, noise_seed, compare, as_json):
+    """Private training on DATASET with MECHANISM at (EPSILON, DELTA) for your data pipeline."""
+    from ..training import train
+
+    bar, report = _progress_bar(not as_json and sys.stderr.isatty())
+    kwargs = dict(epsilon=epsilon, delta=delta, batching=batching, epochs=epochs, batch_size=batch_size, lr=lr,
+                  momentum=momentum, optimizer=optimizer, clip_norm=clip_norm, seed=seed, noise_seed=noise_seed,
+                  device=device, max_physical_batch_size=physical_batch_size, progress=report)
+    runs = [mechanism] + ([compare] if compare else [])
+    results = []
+    if bar is not None:
+        bar.start()
+    try:
+        for name in runs:
+            results.append(train(dataset, name, **kwargs))
+    finally:
+        if bar is not None:
+            bar.stop()
+    if as_json:
+        out = results[0] if len(results) == 1 else {"runs": results}
+        click.echo(json.dumps(out, allow_nan=False))
+        return
+    for res in results:
+        table = {k: v for k, v in res.items() if k != "candidates"}
+        emit(table, False, f"corrnoise train --dataset {dataset} --mechanism {res['mechanism']}")
+    if len(results) > 1:
+        emit({r["mechanism"]: f"test accuracy {r['test_accuracy']:.4f}   epsilon {r['epsilon']:.4g} "
+              f"({r['kind']}, {r['accounting']})" for r in results}, False, "comparison at the same budget")
+
