@@ -28,6 +28,7 @@ run: install
 	$(VENV)/bin/corrnoise train --dataset digits --mechanism auto --epsilon 8 --delta 1e-5
 
 test: install-test
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 tests
 
 # Fashion-MNIST for `corrnoise.datasets` without root and without touching the system: fetch

@@ -62,7 +62,7 @@ def main() -> None:
             t_lower = time.perf_counter() - t0
         ref = ""
         if blocks > 1 and strat.bands <= blocks:
-            from corrnoise.accounting.base import account
+            from corrnoise.accounting import account
 
             ref_res = account(strat, f"block-cyclic:{blocks}:{p}", noise_std=nu, delta=DELTA, method="bandmf")
             ref = f"bandmf {ref_res.epsilon:.4f}"

@@ -1,7 +1,7 @@
 """One privacy event, one gate (issue #9 item 1).
 
-Every entry point -- account, calibrate, torch make_private, the Opacus adapter and the digits
-trainer's calibration -- must refuse an event whose accounting method's preconditions fail with
+Every entry point -- account, calibrate, torch make_private, the Opacus adapter (``corrnoise
+train`` and the planner reach the gate through make_private and calibrate) -- must refuse an event whose accounting method's preconditions fail with
 the SAME one-line error (same parameter, same text): there is one gate
 (:func:`corrnoise.accounting.prepare`) and no copies of its checks.
 """
@@ -62,12 +62,6 @@ def _make_private_opacus(strategy, sampler, method):
                         sampler=sampler, epsilon=2.0, delta=1e-5, accounting_method=method)
 
 
-def _train_plan(strategy, sampler, method):
-    from corrnoise.train import _calibrated
-
-    _calibrated(strategy, sampler.batching(), 2.0, 1e-5, method=method)
-
-
 ENTRY_POINTS = {
     "account": lambda c, s, m: account(c, s.batching(), noise_std=3.0, delta=1e-5, method=m),
     "account_event": lambda c, s, m: account(MechanismEvent(c, s.batching(), 3.0), delta=1e-5, method=m),
@@ -77,7 +71,6 @@ ENTRY_POINTS = {
     "prepare": lambda c, s, m: prepare(MechanismEvent(c, s.batching()), m),
     "make_private": _make_private,
     "make_private_opacus": _make_private_opacus,
-    "train_plan": _train_plan,
 }
 
 

@@ -18,7 +18,7 @@ from scipy import integrate
 from scipy.stats import binom, norm
 
 from corrnoise.accounting import mmcc as M
-from corrnoise.accounting.base import account, choose_method, parse_batching
+from corrnoise.accounting import account, choose_method, parse_batching
 from corrnoise.accounting.gaussian import gaussian_epsilon
 from corrnoise.errors import CorrnoiseError
 from corrnoise.losses import mechanism_sensitivity

@@ -3,8 +3,7 @@
 A :data:`Progress` is called as ``progress(label, done, total)``: ``label`` names the phase
 (e.g. ``"verifying"``), ``done`` of ``total`` work items are finished; ``done == 0`` announces the
 phase and ``done == total`` ends it.  The core library calls it and never imports a terminal
-library; the command line turns ``progress=True`` into a rich progress bar
-(:mod:`corrnoise.progress_rich`, imported only then).
+library; the command line passes a rich progress bar (:class:`corrnoise.cli.progress.RichProgress`).
 """
 
 from __future__ import annotations
@@ -26,17 +25,12 @@ def null_progress(label: str, done: int, total: int) -> None:
 
 def resolve_progress(progress: Any) -> Progress:
     """A :data:`Progress` from what callers pass: None / False -> :func:`null_progress`, a callable
-    as is, True -> a terminal progress bar (rich, imported lazily; still accepted from callers
-    that pass the old boolean option)."""
+    as is. (A terminal display belongs to the command line, which passes a callable.)"""
     if progress is None or progress is False:
         return null_progress
-    if progress is True:
-        from .progress_rich import RichProgress
-
-        return RichProgress()
     if callable(progress):
         return progress
-    raise CorrnoiseError("progress", f"must be a callable(label, done, total), True, False or None, got {progress!r}")
+    raise CorrnoiseError("progress", f"must be a callable(label, done, total), False or None, got {progress!r}")
 
 
 @contextlib.contextmanager

@@ -183,8 +183,6 @@ def train(
 
 
 def _accuracy(model, x, y, dev, chunk: int = 4096) -> float:
-    import torch
-
     correct = 0
     for i in range(0, len(y), chunk):
         out = model(x[i:i + chunk].to(dev))

@@ -39,11 +39,12 @@ from .base import (
     resolve_noise_std,
 )
 from .event import MechanismEvent
-from .gate import account, choose_method, prepare
+from .account import account
+from .gate import choose_method, prepare
 from .calibrate import calibrate, calibrate_noise
 from .gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
-from .dpsgd import dpsgd_epsilon, dpsgd_event  # noqa: E402  (registers pld, rdp)
-from .bandmf import DpsgdEquivalent, dpsgd_equivalent  # noqa: E402  (registers bandmf)
+from .dpsgd import dpsgd_epsilon, dpsgd_event  # noqa: E402  (the DP-SGD numbers)
+from .bandmf import DpsgdEquivalent, dpsgd_equivalent  # noqa: E402  (registers bandmf, pld, rdp)
 
 __all__ = [
     "KNOWN_METHODS", "BallsInBins", "Batching", "BlockCyclic", "DpsgdEquivalent", "MechanismEvent", "MethodSpec",

@@ -37,7 +37,8 @@ from ..errors import CorrnoiseError
 from .base import BlockCyclic, Poisson, PrivacyResult, column_norm, register_method
 from .dpsgd import ACCOUNTANTS, DEFAULT_DISCRETIZATION, DPSGD_PRECONDITIONS, dpsgd_epsilon, event_epsilon
 
-__all__ = ["DpsgdEquivalent", "dpsgd_equivalent", "block_visit_norms", "bandmf_epsilon", "account_bandmf"]
+__all__ = ["DpsgdEquivalent", "dpsgd_equivalent", "block_visit_norms", "bandmf_epsilon", "account_bandmf", "account_pld",
+           "account_rdp"]
 
 #: Most distinct per-visit sensitivities composed per block; beyond it visits are grouped and each
 #: group takes its largest sensitivity (an upper bound; ``exact_visit_norms`` False in the result).
@@ -186,3 +187,33 @@ def account_bandmf(strategy, batching, noise_std: float, delta: float, accountan
         raise RuntimeError(f"dp_accounting returned epsilon {eps!r}")
     return PrivacyResult(eps, delta, float(noise_std), eq.noise_multiplier, "bandmf",
                          {**eq.to_extras(), **info, "accountant": accountant})
+
+
+# ----------------------------------------------------------------------------------------------
+# Methods pld and rdp: DP-SGD with Poisson sampling, and block-cyclic sampling by the reduction
+# ----------------------------------------------------------------------------------------------
+def _account_dpsgd(strategy, batching, noise_std, delta, accountant, discretization) -> PrivacyResult:
+    if isinstance(batching, BlockCyclic):  # DP-SGD accounting of block-cyclic sampling = Thm 3.21
+        result = account_bandmf(strategy, batching, noise_std, delta, accountant=accountant,
+                                discretization=discretization)
+        return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, accountant,
+                             result.extras, result.kind)
+    # Poisson: C is diagonal (require_diagonal_for_poisson, checked by the gate)
+    eq = _dpsgd_equivalent(strategy, batching, noise_std)
+    eps = dpsgd_epsilon(eq.noise_multiplier, eq.sampling_probability, eq.steps, delta, accountant, discretization)
+    return PrivacyResult(eps, delta, noise_std, eq.noise_multiplier, accountant,
+                         {**eq.to_extras(), "accountant": accountant})
+
+
+@register_method("pld", batchings=(Poisson, BlockCyclic), preconditions=DPSGD_PRECONDITIONS,
+                 description="DP-SGD with Poisson sampling: dp_accounting PLD accountant")
+def account_pld(strategy, batching, noise_std, delta, discretization: float = DEFAULT_DISCRETIZATION):
+    """DP-SGD (diagonal C) with Poisson sampling, privacy loss distributions (dp_accounting)."""
+    return _account_dpsgd(strategy, batching, noise_std, delta, "pld", discretization)
+
+
+@register_method("rdp", batchings=(Poisson, BlockCyclic), preconditions=DPSGD_PRECONDITIONS,
+                 description="DP-SGD with Poisson sampling: dp_accounting RDP accountant")
+def account_rdp(strategy, batching, noise_std, delta):
+    """DP-SGD (diagonal C) with Poisson sampling, Renyi DP (dp_accounting; looser than PLD)."""
+    return _account_dpsgd(strategy, batching, noise_std, delta, "rdp", DEFAULT_DISCRETIZATION)

@@ -7,8 +7,9 @@ sigma = noise_std / ||C||_col (tutorial Sec. 1.2 and 3.4; each step's sensitivit
 registry): the privacy-loss-distribution accountant (``pld``, pessimistic discretization, the
 default) or the Renyi accountant (``rdp``, looser, for comparison).  Add/remove adjacency.
 
-The same numbers serve amplified banded MF (:mod:`corrnoise.accounting.bandmf`), which reduces
-block-cyclic sampling to DP-SGD with fewer steps (tutorial Thm 3.21).
+The methods ``pld`` and ``rdp`` are registered in :mod:`corrnoise.accounting.bandmf`, next to the
+reduction of block-cyclic sampling to DP-SGD with fewer steps (tutorial Thm 3.21) they share;
+this module holds the DP-SGD numbers themselves.
 """
 
 from __future__ import annotations
@@ -18,15 +19,13 @@ import logging
 import math
 
 from ..errors import CorrnoiseError, check_int, check_real
-from .base import BlockCyclic, Poisson, PrivacyResult, register_method
 from .preconditions import require_bands_within_blocks, require_diagonal_for_poisson, require_square
 
 #: Hypotheses of DP-SGD accounting (Poisson: diagonal C) and of its block-cyclic reduction
 #: (tutorial Thm 3.21: square C, bands <= blocks), checked by the gate before these methods run.
 DPSGD_PRECONDITIONS = (require_square, require_diagonal_for_poisson, require_bands_within_blocks)
 
-__all__ = ["ACCOUNTANTS", "DEFAULT_DISCRETIZATION", "DPSGD_PRECONDITIONS", "dpsgd_event", "dpsgd_epsilon", "event_epsilon", "account_pld",
-           "account_rdp"]
+__all__ = ["ACCOUNTANTS", "DEFAULT_DISCRETIZATION", "DPSGD_PRECONDITIONS", "dpsgd_event", "dpsgd_epsilon", "event_epsilon"]
 
 ACCOUNTANTS = ("pld", "rdp")
 #: dp_accounting's PLD value discretization interval (its default): pessimistic, ~1e-4 in epsilon.
@@ -102,34 +101,3 @@ def event_epsilon(event, delta: float, accountant: str = "pld",
         acc.compose(event)
         eps = float(acc.get_epsilon(delta))
     return max(eps, 0.0)
-
-
-def _account_dpsgd(strategy, batching, noise_std, delta, accountant, discretization) -> PrivacyResult:
-    if isinstance(batching, BlockCyclic):  # DP-SGD accounting of block-cyclic sampling = Thm 3.21
-        from .bandmf import account_bandmf
-
-        result = account_bandmf(strategy, batching, noise_std, delta, accountant=accountant,
-                                discretization=discretization)
-        return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, accountant,
-                             result.extras, result.kind)
-    # Poisson: C is diagonal (require_diagonal_for_poisson, checked by the gate)
-    from .bandmf import _dpsgd_equivalent
-
-    eq = _dpsgd_equivalent(strategy, batching, noise_std)
-    eps = dpsgd_epsilon(eq.noise_multiplier, eq.sampling_probability, eq.steps, delta, accountant, discretization)
-    return PrivacyResult(eps, delta, noise_std, eq.noise_multiplier, accountant,
-                         {**eq.to_extras(), "accountant": accountant})
-
-
-@register_method("pld", batchings=(Poisson, BlockCyclic), preconditions=DPSGD_PRECONDITIONS,
-                 description="DP-SGD with Poisson sampling: dp_accounting PLD accountant")
-def account_pld(strategy, batching, noise_std, delta, discretization: float = DEFAULT_DISCRETIZATION):
-    """DP-SGD (diagonal C) with Poisson sampling, privacy loss distributions (dp_accounting)."""
-    return _account_dpsgd(strategy, batching, noise_std, delta, "pld", discretization)
-
-
-@register_method("rdp", batchings=(Poisson, BlockCyclic), preconditions=DPSGD_PRECONDITIONS,
-                 description="DP-SGD with Poisson sampling: dp_accounting RDP accountant")
-def account_rdp(strategy, batching, noise_std, delta):
-    """DP-SGD (diagonal C) with Poisson sampling, Renyi DP (dp_accounting; looser than PLD)."""
-    return _account_dpsgd(strategy, batching, noise_std, delta, "rdp", DEFAULT_DISCRETIZATION)

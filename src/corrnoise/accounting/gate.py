@@ -16,10 +16,9 @@ gaussian; Poisson -> pld (diagonal C, DP-SGD) else mmcc (seed 001); block-cyclic
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from ..errors import CorrnoiseError, check_real
+from ..errors import CorrnoiseError
 from .base import (
     BallsInBins,
     Batching,
@@ -30,13 +29,12 @@ from .base import (
     PrivacyResult,
     get_method,
     method_available,
-    method_options,
     resolve_noise_std,
 )
 from .event import MechanismEvent, as_event
 from .preconditions import Violation, first_violation
 
-__all__ = ["AUTO_CANDIDATES", "choose_method", "prepare", "check_event", "account", "noisy_event"]
+__all__ = ["AUTO_CANDIDATES", "choose_method", "prepare", "check_event", "noisy_event"]
 
 #: ``--method auto``: the methods tried, in order, for each kind of batching.
 AUTO_CANDIDATES: dict[type, tuple[str, ...]] = {
@@ -118,32 +116,6 @@ def noisy_event(event_or_strategy, batching=None, noise_std: Any = None, noise_m
         return event.with_noise(resolve_noise_std(event.mechanism, noise_std, noise_multiplier))
     nu = resolve_noise_std(event_or_strategy, noise_std, noise_multiplier)
     return as_event(event_or_strategy, batching).with_noise(nu)
-
-
-def account(event_or_strategy, batching=None, *, delta=None, noise_std=None, noise_multiplier=None, epsilon=None,
-            method: str = "auto", **options: Any) -> PrivacyResult:
-    """(epsilon, delta) of a :class:`MechanismEvent` -- or of ``strategy`` under ``batching`` with
-    the given noise (one of ``noise_std`` or ``noise_multiplier``) -- by ``method`` (``auto``
-    picks as :func:`choose_method`): epsilon(delta) given ``delta``, or delta(epsilon) given
-    ``epsilon`` (:func:`.delta.account_delta`).
-
-    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to the method; one it does not
-    take raises, naming it.
-    """
-    if (delta is None) == (epsilon is None):
-        raise CorrnoiseError("delta", "give exactly one of delta (for epsilon(delta)) and epsilon (for delta(epsilon))")
-    if epsilon is not None:
-        from .delta import account_delta
-
-        return account_delta(event_or_strategy, batching, epsilon=epsilon, noise_std=noise_std,
-                             noise_multiplier=noise_multiplier, method=method, **options)
-    event = noisy_event(event_or_strategy, batching, noise_std, noise_multiplier)
-    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
-    spec = prepare(event, method)
-    result = spec.account(event.mechanism, event.batching, event.noise_std, delta, **method_options(spec, options))
-    if not isinstance(result, PrivacyResult) or math.isnan(result.epsilon):
-        raise RuntimeError(f"accounting method {spec.name} returned {result!r}")
-    return _annotate(result, event)
 
 
 def _annotate(result: PrivacyResult, event: MechanismEvent) -> PrivacyResult:

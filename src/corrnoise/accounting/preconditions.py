@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from ..errors import CorrnoiseError
-from .base import BlockCyclic, NoBatching, Poisson
+from .batching import BlockCyclic, NoBatching, Poisson
 
 __all__ = ["Violation", "Precondition", "require_square", "require_nonnegative", "require_diagonal_for_poisson",
            "require_bands_within_blocks", "require_participation_fits", "first_violation"]

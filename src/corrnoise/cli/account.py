@@ -20,6 +20,7 @@ import sys
 import click
 
 from ..errors import CorrnoiseError
+from .progress import RichProgress
 from .report import emit
 
 METHOD_CHOICES = ["auto", "gaussian", "pld", "rdp", "bandmf", "mmcc", "mc"]
@@ -72,7 +73,7 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
     """(epsilon, delta) of MECHANISM for a noise level, or the noise for a target epsilon."""
     from ..strategies import parse_strategy
     from ..accounting import account, calibrate, parse_batching
-    from ..accounting.base import choose_method
+    from ..accounting import choose_method
 
     if n < 1:
         raise CorrnoiseError("n", f"must be >= 1, got {n}")
@@ -88,7 +89,8 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
             raise CorrnoiseError(name, f"must be >= 1, got {value}")
     spec = parse_batching(batching, participation)
     strategy = parse_strategy(mechanism, n)
-    options = {"samples": samples, "seed": seed, "progress": (not as_json) and sys.stderr.isatty(),
+    bar = RichProgress() if (not as_json) and sys.stderr.isatty() else None
+    options = {"samples": samples, "seed": seed, "progress": bar,
                "verify": True if verify else None, "lower_bound": True if lower_bound else None,
                "estimate": True if estimate else None, "verify_samples": verify_samples}
     chosen = choose_method(strategy, spec) if method == "auto" else method
@@ -100,14 +102,18 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
     if lower_bound and epsilon is not None:  # a lower bound on epsilon cannot size the noise
         raise CorrnoiseError("lower_bound", "--lower-bound reports how tight MMCC is for a given noise; "
                                             "calibrating noise to it would give no guarantee (use --sigma/--noise-std)")
-    if noises and epsilon is not None:  # delta(epsilon) at this noise
-        result = account(strategy, spec, epsilon=epsilon, noise_std=noise_std, noise_multiplier=sigma,
-                         method=method, **options)
-    elif epsilon is not None:
-        result = calibrate(strategy, spec, epsilon=epsilon, delta=delta, method=method, **options)
-    else:
-        result = account(strategy, spec, delta=delta, noise_std=noise_std, noise_multiplier=sigma,
-                         method=method, **options)
+    try:
+        if noises and epsilon is not None:  # delta(epsilon) at this noise
+            result = account(strategy, spec, epsilon=epsilon, noise_std=noise_std, noise_multiplier=sigma,
+                             method=method, **options)
+        elif epsilon is not None:
+            result = calibrate(strategy, spec, epsilon=epsilon, delta=delta, method=method, **options)
+        else:
+            result = account(strategy, spec, delta=delta, noise_std=noise_std, noise_multiplier=sigma,
+                             method=method, **options)
+    finally:
+        if bar is not None:
+            bar.close()
     if not math.isfinite(result.epsilon):
         raise CorrnoiseError("noise", f"epsilon is infinite at delta={result.delta:g} for noise_std="
                              f"{result.noise_std:g}; increase the noise or delta")

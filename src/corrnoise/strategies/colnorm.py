@@ -88,7 +88,7 @@ class ColumnNormalized(Strategy):
 
     @classmethod
     def from_params(cls, n, params, arrays):
-        from .registry import kind_class
+        from .kinds import kind_class
 
         return cls(kind_class(params["base_kind"]).from_params(n, params["base_params"], arrays))
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import CorrnoiseError
 from .base import Strategy
 from .colnorm import ColumnNormalized
-from .registry import kind_class
+from .kinds import kind_class
 
 FORMAT = "corrnoise.mechanism"
 VERSION = 1

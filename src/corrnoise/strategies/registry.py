@@ -9,25 +9,14 @@ import numpy as np
 from ..errors import CorrnoiseError, check_int
 from .base import Strategy
 from .colnorm import ColumnNormalized
-from .dense import Banded, Dense, Tree
-from .toeplitz import BLT, DPCGD, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
-
-KINDS: dict[str, type[Strategy]] = {
-    cls.kind: cls
-    for cls in (Identity, Prefix, ToeplitzSqrt, BandedSqrt, Toeplitz, BLT, DPCGD, Dense, Banded, Tree, ColumnNormalized)
-}
+from .dense import Dense, Tree
+from .io import load_mechanism
+from .toeplitz import BLT, DPCGD, BandedSqrt, Identity, Prefix, ToeplitzSqrt
 
 NAMES_HELP = (
     "identity, prefix, toeplitz-sqrt, bsr:B, dpcgd:BETA, tree, blt:A1,A2,...:L1,L2,..., "
     "matrix:PATH.npy or a mechanism file (.json), optionally with a +colnorm suffix"
 )
-
-
-def kind_class(kind: str) -> type[Strategy]:
-    try:
-        return KINDS[kind]
-    except KeyError:
-        raise CorrnoiseError("mechanism", f"unknown kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}") from None
 
 
 def _floats(param: str, text: str) -> list[float]:
@@ -66,8 +55,6 @@ def parse_strategy(name: str, n: int) -> Strategy:
     if head == "matrix" and rest:
         return Dense(_load_npy(rest)).with_n(n)
     if name.endswith(".json") or Path(name).is_file():
-        from .io import load_mechanism
-
         return load_mechanism(name, n=n)
     raise CorrnoiseError("strategy", f"unknown strategy {name!r}; use one of: {NAMES_HELP}")
 

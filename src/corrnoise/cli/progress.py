@@ -1,7 +1,7 @@
 """A rich progress bar as a :data:`corrnoise.progress.Progress` (terminal only).
 
-Imported only when a caller asks for ``progress=True``; the core library never imports rich.
-(Temporary home: this belongs to the command-line package.)
+The command line passes one to long computations as their ``progress``; the core library never
+imports rich.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""delta(epsilon): the smallest delta a method proves for a target epsilon at a given noise.
+"""Accounting a noisy event: :func:`account` gives epsilon(delta) or delta(epsilon) after the gate.
+
+delta(epsilon) is the smallest delta a method proves for a target epsilon at a given noise.
 
 A method may register a direct ``delta_of`` (the exact Gaussian profile; Monte Carlo
 Estimate-Verify-Release); otherwise delta is found by bisection on the method's own epsilon(delta),
@@ -15,7 +17,7 @@ from ..errors import CorrnoiseError, check_real
 from .base import PrivacyResult, method_options, require_guarantee
 from .gate import _annotate, noisy_event, prepare
 
-__all__ = ["account_delta", "bisect_delta"]
+__all__ = ["account", "account_delta", "bisect_delta"]
 
 #: delta below which the search stops (the mechanism is (epsilon, delta)-DP for this tiny delta).
 _DELTA_FLOOR = 1e-30
@@ -69,3 +71,27 @@ def account_delta(event_or_strategy, batching=None, *, epsilon, noise_std=None, 
         result = PrivacyResult(epsilon, delta, found.noise_std, found.noise_multiplier, found.method,
                                {**found.extras, "epsilon_at_delta": found.epsilon}, found.kind)
     return _annotate(result.with_extras(delta_of_epsilon=True), event)
+
+
+def account(event_or_strategy, batching=None, *, delta=None, noise_std=None, noise_multiplier=None, epsilon=None,
+            method: str = "auto", **options: Any) -> PrivacyResult:
+    """(epsilon, delta) of a :class:`MechanismEvent` -- or of ``strategy`` under ``batching`` with
+    the given noise (one of ``noise_std`` or ``noise_multiplier``) -- by ``method`` (``auto``
+    picks as :func:`choose_method`): epsilon(delta) given ``delta``, or delta(epsilon) given
+    ``epsilon`` (:func:`account_delta`).
+
+    ``options`` (``samples``, ``seed``, ``accountant`` ...) go to the method; one it does not
+    take raises, naming it.
+    """
+    if (delta is None) == (epsilon is None):
+        raise CorrnoiseError("delta", "give exactly one of delta (for epsilon(delta)) and epsilon (for delta(epsilon))")
+    if epsilon is not None:
+        return account_delta(event_or_strategy, batching, epsilon=epsilon, noise_std=noise_std,
+                             noise_multiplier=noise_multiplier, method=method, **options)
+    event = noisy_event(event_or_strategy, batching, noise_std, noise_multiplier)
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    spec = prepare(event, method)
+    result = spec.account(event.mechanism, event.batching, event.noise_std, delta, **method_options(spec, options))
+    if not isinstance(result, PrivacyResult) or math.isnan(result.epsilon):
+        raise RuntimeError(f"accounting method {spec.name} returned {result!r}")
+    return _annotate(result, event)

@@ -1,0 +1,22 @@
+"""Kind names (as written in mechanism files) -> strategy classes."""
+
+from __future__ import annotations
+
+from ..errors import CorrnoiseError
+from .base import Strategy
+from .dense import Banded, Dense, Tree
+from .toeplitz import BLT, DPCGD, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
+
+__all__ = ["KINDS", "kind_class"]
+
+#: The base kinds; column normalization is a flag of the file, not a kind of its own.
+KINDS: dict[str, type[Strategy]] = {
+    cls.kind: cls for cls in (Identity, Prefix, ToeplitzSqrt, BandedSqrt, Toeplitz, BLT, DPCGD, Dense, Banded, Tree)
+}
+
+
+def kind_class(kind: str) -> type[Strategy]:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise CorrnoiseError("mechanism", f"unknown kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}") from None
