@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -123,18 +122,21 @@ def time_it(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(ts)
 
 
-def time_interleaved(steps: dict, reps: int, warmup: int = 3) -> dict:
-    """Median seconds per step of each method, round-robin (one step of each per round) so
-    that load from other processes on the shared machine hits every method alike."""
-    for fn in steps.values():
-        for _ in range(warmup):
-            fn()
+def time_interleaved(steps: dict, reps: int, warmup: int = 2, rounds: int = 4) -> dict:
+    """Median seconds per step of each method, in ``rounds`` round-robin blocks (warmup, then
+    ceil(reps / rounds) timed steps per method per block): load from other processes on the
+    shared machine hits every method alike, while a block's warmup keeps one method's large
+    allocations (Opacus hooks, vmap) from being paid by the next method's timed steps."""
+    per = -(-reps // rounds)
     ts: dict = {m: [] for m in steps}
-    for _ in range(reps):
+    for _ in range(rounds):
         for m, fn in steps.items():
-            t0 = time.perf_counter()
-            fn()
-            ts[m].append(time.perf_counter() - t0)
+            for _ in range(warmup):
+                fn()
+            for _ in range(per):
+                t0 = time.perf_counter()
+                fn()
+                ts[m].append(time.perf_counter() - t0)
     return {m: statistics.median(v) for m, v in ts.items()}
 
 
@@ -174,7 +176,11 @@ def run_case(case: str, steps: int = 3) -> None:
     step, _ = make_step(model_name, method)
     for _ in range(steps):
         step()
-    print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    # VmHWM (this process's peak resident set) rather than ru_maxrss, which Linux carries
+    # across exec from the forked parent
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"maxrss_mb": hwm / 1024}))
 
 
 def main() -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..per_example import clip_factors
+
 __all__ = [
     "OneHot",
     "use_ghost",
@@ -77,7 +79,7 @@ def gram(x, y) -> torch.Tensor:
         idx = y.idx.unsqueeze(-2).expand(b, g, tx, y.idx.shape[-1])
         return torch.gather(x, -1, idx)
     if x.shape[2] == 1 and y.shape[2] == 1:
-        return (x * y).sum(-1, keepdim=True).unsqueeze(-1).squeeze(-3)
+        return (x * y).sum(-1, keepdim=True)  # T = 1: (B, G, 1, 1) without a matmul
     return torch.matmul(x, y.transpose(-1, -2))
 
 
@@ -153,5 +155,5 @@ def clip_weights(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
     an example whose gradient is NaN/inf contributes zero (its zero-out neighbour), so a NaN
     never reaches the released sum.
     """
-    factors = torch.clamp(clip_norm / norms, max=1.0)
+    factors = clip_factors(norms, clip_norm)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
