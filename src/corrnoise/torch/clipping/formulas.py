@@ -121,11 +121,19 @@ def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.T
     out = None
     for u, v in factors:
         b, g, t, q = v.shape
-        wv = v * weights.to(v.dtype).view(b, 1, 1, 1)
+        if isinstance(u, OneHot) or g != 1 or u.shape[-1] >= q:
+            wv = v * weights.to(v.dtype).view(b, 1, 1, 1)
         if isinstance(u, OneHot):
             rows = (u.idx + torch.arange(g, device=v.device).view(1, g, 1) * u.size).reshape(-1)
             s = torch.zeros(g * u.size, q, dtype=v.dtype, device=v.device)
             s.index_add_(0, rows, wv.reshape(-1, q))
+        elif g == 1:
+            # one plain matmul over the stacked (example, position) rows; the weights go on the
+            # narrower side
+            if u.shape[-1] < q:
+                s = torch.mm((u * weights.to(u.dtype).view(b, 1, 1, 1)).reshape(b * t, -1).t(), v.reshape(b * t, q))
+            else:
+                s = torch.mm(u.reshape(b * t, -1).t(), wv.reshape(b * t, q))
         else:
             s = torch.einsum("bgtp,bgtq->gpq", u, wv)
         out = s.reshape(shape) if out is None else out + s.reshape(shape)
