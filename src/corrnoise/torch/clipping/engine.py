@@ -36,6 +36,13 @@ with the gradient autograd accumulated, which catches a parameter also used outs
 owner's forward (e.g. ``F.linear(x, emb.weight)`` in a parent module) or a non-deterministic
 fallback layer. Layers that mix examples (BatchNorm, SyncBatchNorm, Embedding with
 ``scale_grad_by_freq``, MultiheadAttention with ``batch_first=False``) are refused at attach.
+
+Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
+transposed input of equal size is not detectable). A forward pass during backward (gradient
+checkpointing) or a second batch before ``clear()`` is refused. Fallback layers must be
+deterministic (no dropout inside them). Outputs of hooked layers that are views (a Linear on
+(B, T, d)) are copied once so that a later in-place op cannot detach the grad-output hook. The
+user's backward still accumulates the (unused) ``p.grad``.
 """
 
 from __future__ import annotations
