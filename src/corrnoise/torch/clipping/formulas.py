@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..per_example import clip_factors
+
 __all__ = [
     "OneHot",
     "use_ghost",
@@ -77,7 +79,7 @@ def gram(x, y) -> torch.Tensor:
         idx = y.idx.unsqueeze(-2).expand(b, g, tx, y.idx.shape[-1])
         return torch.gather(x, -1, idx)
     if x.shape[2] == 1 and y.shape[2] == 1:
-        return (x * y).sum(-1, keepdim=True).unsqueeze(-1).squeeze(-3)
+        return (x * y).sum(-1, keepdim=True)  # T = 1: (B, G, 1, 1) without a matmul
     return torch.matmul(x, y.transpose(-1, -2))
 
 
@@ -119,11 +121,19 @@ def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.T
     out = None
     for u, v in factors:
         b, g, t, q = v.shape
-        wv = v * weights.to(v.dtype).view(b, 1, 1, 1)
+        if isinstance(u, OneHot) or g != 1 or u.shape[-1] >= q:
+            wv = v * weights.to(v.dtype).view(b, 1, 1, 1)
         if isinstance(u, OneHot):
             rows = (u.idx + torch.arange(g, device=v.device).view(1, g, 1) * u.size).reshape(-1)
             s = torch.zeros(g * u.size, q, dtype=v.dtype, device=v.device)
             s.index_add_(0, rows, wv.reshape(-1, q))
+        elif g == 1:
+            # one plain matmul over the stacked (example, position) rows; the weights go on the
+            # narrower side
+            if u.shape[-1] < q:
+                s = torch.mm((u * weights.to(u.dtype).view(b, 1, 1, 1)).reshape(b * t, -1).t(), v.reshape(b * t, q))
+            else:
+                s = torch.mm(u.reshape(b * t, -1).t(), wv.reshape(b * t, q))
         else:
             s = torch.einsum("bgtp,bgtq->gpq", u, wv)
         out = s.reshape(shape) if out is None else out + s.reshape(shape)
@@ -153,5 +163,5 @@ def clip_weights(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
     an example whose gradient is NaN/inf contributes zero (its zero-out neighbour), so a NaN
     never reaches the released sum.
     """
-    factors = torch.clamp(clip_norm / norms, max=1.0)
+    factors = clip_factors(norms, clip_norm)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
