@@ -143,14 +143,24 @@ class ShardedNoise:
         return flat if self.shapes is None else split_flat(flat, self.shapes)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard state (save one per rank)."""
-        return {"rank": self.rank, "world_size": self.world_size, "local": self.local.state_dict()}
+        """This rank's shard state (save one per rank). The secret seed sits at the top level
+        (``state["seed"]``), as in a generator's state, so that a checkpoint writer that drops
+        ``"seed"`` (``DPOptimizer`` without ``store_noise_seed``) drops it here too."""
+        local = dict(self.local.state_dict())
+        seed = local.pop("seed")
+        return {"rank": self.rank, "world_size": self.world_size, "seed": seed, "local": local}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("rank") != self.rank or state.get("world_size") != self.world_size:
             raise CorrnoiseError("state", f"saved by rank {state.get('rank')} of {state.get('world_size')}, "
                                  f"this is rank {self.rank} of {self.world_size}")
-        self.local.load_state_dict(state["local"])
+        local = dict(state["local"])
+        if "seed" in state:
+            local["seed"] = state["seed"]
+        elif "seed" not in local:
+            local["seed"] = self.seed
+        self.local.load_state_dict(local)
+        self.seed = self.local.seed
 
 
 def local_batch(indices, rank: int, world_size: int) -> list:
@@ -183,10 +193,29 @@ class DistributedPrivatizer(Privatizer):
                            dtype=p0.dtype, method=method, chunk_size=chunk_size, group=group)
         return cls(gen, clip_norm, expected_batch_size)
 
+    def all_reduce(self, sums) -> list[torch.Tensor]:
+        """The sums over every rank (SUM), one coalesced all_reduce per (dtype, device)."""
+        sums = list(sums)
+        total: list[torch.Tensor | None] = [None] * len(sums)
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(sums):
+            groups.setdefault((s.dtype, s.device), []).append(i)
+        for idx in groups.values():
+            flat = torch.cat([sums[i].reshape(-1) for i in idx])  # a copy: the inputs are untouched
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            for i, part in zip(idx, flat.split([sums[i].numel() for i in idx])):
+                total[i] = part.view(sums[i].shape)
+        return total
+
+    def all_reduce_counts(self, *counts: int) -> tuple[int, ...]:
+        """Integers summed over the ranks (batch statistics of the global batch)."""
+        t = torch.tensor([float(c) for c in counts], dtype=torch.float64)
+        if dist.get_backend(self.group) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return tuple(int(round(v)) for v in t.tolist())
+
     def privatize(self, sums):
-        total = []
-        for s in sums:
-            s = s.clone()
-            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
-            total.append(s)
-        return super().privatize(total)
+        """All-reduce the clipped sums first, then add the one noise row (identical on every
+        rank, generated in shards and gathered) and divide by the global expected batch size."""
+        return super().privatize(self.all_reduce(sums))

@@ -36,6 +36,7 @@ import math
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ..accounting import PrivacyResult
@@ -43,6 +44,7 @@ from ..errors import CorrnoiseError, check_int, check_real
 from ..sampling import BallsInBinsSampler, BatchSampler
 from ..strategies import Strategy
 from .optimizer import balls_in_bins_accounted_steps, plan_private, privacy_spent
+from .distributed import DistributedPrivatizer, broadcast_seed
 from .privatizer import Privatizer
 
 __all__ = ["DPOptimizer", "DPDataLoader", "make_private", "choose_batching", "BATCHINGS"]
@@ -116,16 +118,22 @@ class _PaddedItems:
 
 class _MicroBatches:
     """Batch sampler over steps [start, stop) of a corrnoise sampler, each logical batch cut
-    into micro-batches of at most ``size`` entries (an empty batch stays one empty micro-batch)."""
+    into micro-batches of at most ``size`` entries (an empty batch stays one empty micro-batch).
+    With ``world_size > 1`` only this rank's share of each logical batch (:func:`.distributed.local_batch`)."""
 
-    def __init__(self, sampler: BatchSampler, size: int | None):
+    def __init__(self, sampler: BatchSampler, size: int | None, rank: int = 0, world_size: int = 1):
         self.sampler, self.size = sampler, size
+        self.rank, self.world_size = rank, world_size
         self.start, self.stop = 0, sampler.steps
 
     def cuts(self) -> Iterator[tuple[int, list[int], bool]]:
         """(step, indices, last micro-batch of the step) in order."""
+        from .distributed import local_batch
+
         for t in range(self.start, self.stop):
             batch = list(self.sampler.batch(t))
+            if self.world_size > 1:
+                batch = local_batch(batch, self.rank, self.world_size)
             if self.size is None or len(batch) <= self.size:
                 yield t, batch, True
                 continue
@@ -149,10 +157,15 @@ class DPDataLoader(DataLoader):
     resumed run continues where its checkpoint stopped. Iterating keeps the optimizer informed
     (micro-batch ends, padding masks); it yields exactly what the user's collate function makes
     of the items, nothing added.
+
+    Data parallel (``world_size > 1``): every rank holds the same sampler (same seed), so every
+    rank forms the same global -- accounted -- batch and yields only its ``rank``-th share
+    (every ``world_size``-th index); the shares partition the batch. A share may be empty.
     """
 
     def __init__(self, dataset, sampler: BatchSampler, *, steps_per_epoch: int, collate_fn=None,
-                 max_physical_batch_size=None, context: _StepContext | None = None, **loader_kwargs):
+                 max_physical_batch_size=None, context: _StepContext | None = None, rank: int = 0,
+                 world_size: int = 1, **loader_kwargs):
         from torch.utils.data import default_collate
 
         self.corrnoise_sampler = sampler
@@ -161,7 +174,9 @@ class DPDataLoader(DataLoader):
         self.max_physical_batch_size = max_physical_batch_size
         self._padded = isinstance(sampler, BallsInBinsSampler) and sampler.batch_size is not None
         items = _PaddedItems(dataset, sampler.num_examples) if self._padded else dataset
-        self._cutter = _MicroBatches(sampler, max_physical_batch_size)
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
+        self._cutter = _MicroBatches(sampler, max_physical_batch_size, self.rank, self.world_size)
         super().__init__(items, batch_sampler=self._cutter,
                          collate_fn=_Collate(dataset, collate_fn or default_collate), **loader_kwargs)
 
@@ -327,7 +342,10 @@ class DPOptimizer(torch.optim.Optimizer):
             for p, g in zip(self.params, noisy):
                 p.grad = g.to(dtype=p.dtype)
             self.original.step()
-        self.last_stats = {"count": self._count, "clipped": self._clipped}
+        count, clipped = self._count, self._clipped
+        if isinstance(self.privatizer, DistributedPrivatizer):  # statistics of the global batch
+            count, clipped = self.privatizer.all_reduce_counts(count, clipped)
+        self.last_stats = {"count": count, "clipped": clipped}
         self._sums, self._count, self._clipped = None, 0, 0
         self.context.clear_batch()
         self.context.current_step = None
@@ -463,6 +481,7 @@ def make_private(
     accounting_method: str = "auto",
     accounting_options: dict[str, Any] | None = None,
     noise_method: str = "auto",
+    distributed: bool | None = None,
 ) -> tuple[torch.nn.Module, DPOptimizer, DPDataLoader]:
     """Privatize an existing PyTorch training loop; returns ``(module, optimizer, data_loader)``.
 
@@ -481,6 +500,28 @@ def make_private(
     (one noise row per logical step). ``seed`` drives the sampler only; ``noise_seed`` the
     noise -- leave it None (a secret seed from the OS) for any real release.
     ``store_noise_seed``: put the seed into ``optimizer.state_dict()`` (a documented risk).
+
+    ``distributed``: data-parallel training over a torch.distributed process group; ``None``
+    (default) turns it on for a :class:`~torch.nn.parallel.DistributedDataParallel` module (its
+    ``process_group``) or when a default process group is initialized, ``False`` turns it off
+    (not allowed for a DDP module). Call make_private on every rank with the same arguments:
+
+    * one global sampler: the sampler ``seed`` is broadcast from rank 0 (checked equal when
+      given), every rank draws the same global batch and the loader yields its disjoint share
+      (every ``world_size``-th index). Accounting, steps and the expected batch size are those of
+      the global batch; with ``epsilon`` only rank 0 calibrates and broadcasts the noise_std.
+    * the clipping engine hooks the inner module (``module.module``) and clips this rank's
+      examples. DDP's own all-reduce of *unclipped* gradients is switched off for good
+      (``require_backward_grad_sync = False``, what ``no_sync()`` does): it would be wasted work
+      (``step()`` overwrites ``.grad``), and ranks with different numbers of micro-batches would
+      issue different numbers of collectives. Consequently DDP no longer broadcasts buffers in
+      forward after the first one (the engine refuses the layers whose buffers change in training).
+      A plain module's parameters and buffers are broadcast from rank 0 once (as DDP does).
+    * ``step()`` all-reduces (SUM) the clipped sums, then adds the noise row once: each rank
+      generates its shard of the row and one all_gather assembles it
+      (:class:`.distributed.DistributedPrivatizer`), so every rank adds the same row, equal to
+      the single-process row for the same ``noise_seed``; with ``noise_seed=None`` rank 0 draws
+      a 256-bit secret seed and broadcasts it. Every rank makes the identical update.
     """
     from .clipping import ClippingEngine
 
@@ -492,6 +533,10 @@ def make_private(
     if max_physical_batch_size is not None:
         max_physical_batch_size = check_int("max_physical_batch_size", max_physical_batch_size, minimum=1)
     dataset, batch_size, keep, collate_fn = _loader_settings(data_loader)
+    on, group, inner = _data_parallel(module, distributed)
+    rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if on else (0, 1)
+    if on:
+        seed = _shared_sampler_seed(seed, group)
     if mechanism == "auto":
         mechanism = choose_mechanism(len(dataset), batch_size, epochs=epochs, steps=steps, epsilon=epsilon,
                                      delta=delta)
@@ -502,18 +547,33 @@ def make_private(
             raise CorrnoiseError("guarantee", "must be a PrivacyResult of kind 'guarantee' (estimates and lower "
                                  "bounds never calibrate training noise)")
         noise_std = guarantee.noise_std
+    # distributed with epsilon: rank 0 calibrates (Monte Carlo calibration draws fresh samples, so
+    # ranks could disagree) and broadcasts; the others plan with a placeholder noise_std
+    deferred = on and rank != 0 and epsilon is not None
     strategy, sampler, agreement, nu, calibration = plan_private(
-        dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
-        noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps,
-        sampler=_sampling_for(batching, mechanism, len(dataset), batch_size, epochs, steps), seed=seed, accounting_method=accounting_method,
-        accounting_options=accounting_options)
+        dataset, mechanism=mechanism, delta=delta, epsilon=None if deferred else epsilon,
+        noise_std=1.0 if deferred else noise_std, noise_multiplier=noise_multiplier, batch_size=batch_size,
+        epochs=epochs, steps=steps,
+        sampler=_sampling_for(batching, mechanism, len(dataset), batch_size, epochs, steps), seed=seed,
+        accounting_method=accounting_method, accounting_options=accounting_options)
+    if on:
+        shared = [nu, calibration]
+        dist.broadcast_object_list(shared, src=_global_rank0(group), group=group)
+        nu, calibration = shared
     if guarantee is not None:
         calibration = _matching_guarantee(guarantee, agreement, delta)
-    engine = ClippingEngine(module, loss_reduction=loss_reduction, max_grad_norm=max_grad_norm)
+    engine = ClippingEngine(inner, loss_reduction=loss_reduction, max_grad_norm=max_grad_norm)
     params = list(engine.parameters)
-    privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=max_grad_norm,
-                                           expected_batch_size=sampler.expected_batch_size, seed=noise_seed,
-                                           method=noise_method)
+    if on:
+        if inner is module:
+            _broadcast_module(module, group)  # replicas start equal, as DDP's constructor ensures
+        privatizer = DistributedPrivatizer.for_parameters(
+            strategy, params, noise_std=nu, clip_norm=max_grad_norm, expected_batch_size=sampler.expected_batch_size,
+            seed=noise_seed, method=noise_method, group=group)
+    else:
+        privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=max_grad_norm,
+                                               expected_batch_size=sampler.expected_batch_size, seed=noise_seed,
+                                               method=noise_method)
     context = _StepContext()
     private = DPOptimizer(optimizer, engine=engine, privatizer=privatizer, strategy=strategy,
                           batching=agreement.batching, delta=delta, steps=agreement.steps,
@@ -522,8 +582,59 @@ def make_private(
                           calibration=calibration)
     loader = DPDataLoader(dataset, sampler, steps_per_epoch=_steps_per_epoch(sampler, epochs, len(dataset), batch_size),
                           collate_fn=collate_fn, max_physical_batch_size=max_physical_batch_size, context=context,
-                          **keep)
+                          rank=rank, world_size=world_size, **keep)
     return module, private, loader
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallel (torch.distributed)
+# ----------------------------------------------------------------------------------------------
+def _data_parallel(module: torch.nn.Module, distributed: bool | None):
+    """(on, process group, module to hook) for ``distributed`` (see :func:`make_private`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    is_ddp = isinstance(module, DistributedDataParallel)
+    initialized = dist.is_available() and dist.is_initialized()
+    if distributed is None:
+        distributed = is_ddp or initialized
+    if not distributed:
+        if is_ddp:
+            raise CorrnoiseError("distributed", "is False but the module is DistributedDataParallel: DDP averages "
+                                 "the ranks' gradients, so each rank's sampler, noise and accounting would not be "
+                                 "what is released; pass the inner module (module.module) instead")
+        return False, None, module
+    if not initialized:
+        raise CorrnoiseError("distributed", "torch.distributed is not initialized (call init_process_group first)")
+    if not is_ddp:
+        return True, None, module
+    if getattr(module, "_delay_all_reduce_all_params", False) or getattr(module, "_delay_all_reduce_params", None):
+        raise CorrnoiseError("module", "DistributedDataParallel with delayed all-reduce parameters all-reduces "
+                             "unclipped gradients even under no_sync(); build DDP without them")
+    # every step overwrites .grad with the privatized sum: DDP's all-reduce of unclipped gradients
+    # is wasted work, and ranks with different numbers of micro-batches would issue different
+    # numbers of collectives. no_sync() does exactly this, for good here.
+    module.require_backward_grad_sync = False
+    return True, getattr(module, "process_group", None), module.module
+
+
+def _global_rank0(group) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _shared_sampler_seed(seed: int | None, group) -> int:
+    """The sampler seed of rank 0 on every rank (``seed`` checked equal where given, else drawn
+    on rank 0): one global sampler, so every rank forms the same, accounted, batches."""
+    from ..sampling import _SEED_MAX
+
+    value = broadcast_seed(seed, group)
+    return value if seed is not None else value & _SEED_MAX
+
+
+@torch.no_grad()
+def _broadcast_module(module: torch.nn.Module, group) -> None:
+    """Rank 0's parameters and buffers on every rank."""
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(t.data, src=_global_rank0(group), group=group)
 
 
 def _steps_per_epoch(sampler: BatchSampler, epochs, num_examples: int, batch_size: int) -> int:
