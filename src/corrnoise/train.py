@@ -183,7 +183,7 @@ def train_digits(
     secret OS seed unless ``noise_seed`` is given (reproducible experiments only: whoever knows
     the noise seed can subtract the noise, so it is never printed).
     """
-    from .torch import make_private
+    from .torch import make_private_run
 
     start = time.perf_counter()
     if mechanism not in MECHANISMS:
@@ -210,9 +210,9 @@ def train_digits(
     else:
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     dataset = torch.utils.data.TensorDataset(xtr, ytr)
-    private = make_private(model, opt, torch.nn.functional.cross_entropy, dataset, mechanism=chosen.strategy,
-                           sampler=chosen.sampler, noise_std=chosen.noise_std, delta=delta, clip_norm=clip_norm,
-                           seed=seed, noise_seed=noise_seed)
+    private = make_private_run(model, opt, torch.nn.functional.cross_entropy, dataset, mechanism=chosen.strategy,
+                               sampler=chosen.sampler, noise_std=chosen.noise_std, delta=delta, clip_norm=clip_norm,
+                               seed=seed, noise_seed=noise_seed)
     loss_sum, loss_count = 0.0, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only add synchronisation (5-10x slower on a busy machine)
