@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -297,3 +299,88 @@ def test_blt_and_dpcgd_train_with_balls_in_bins_and_a_verified_guarantee(mechani
     spent = opt.privacy_spent()
     assert spent.kind == "guarantee" and spent.method == "mc"
     assert spent.epsilon <= 8.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Model shapes: output objects, several inputs, layers that mix examples
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _TwoInputModel(nn.Module):
+    """forward(x, z, *, scale=1.0, mask=None) returning an object with ``.logits``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(2, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x, z, *, scale=1.0, mask=None):
+        h = torch.tanh(self.a(x) + self.b(z) * scale)
+        if mask is not None:
+            h = h * mask
+        return _Output(logits=self.head(h), hidden=h)
+
+
+def _two_input_data(n=24):
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(n, 4, generator=g, dtype=torch.float64),
+                         torch.randn(n, 2, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_output_object_and_positional_keyword_inputs_give_the_clipped_sum(as_dict):
+    """The engine never calls the model: outputs that are objects (a dataclass, a dict with
+    logits) and several positional + keyword inputs train, and each step's update is the clipped
+    per-example sum (+ ~0 noise) of a loop of single-example backward passes."""
+    torch.manual_seed(0)
+    model = _TwoInputModel().double()
+    ref = _TwoInputModel().double()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt, loader = make_private(model, opt, DataLoader(_two_input_data(), batch_size=6), noise_std=1e-300,
+                                      delta=1e-5, steps=4, max_grad_norm=0.3, mechanism="identity",
+                                      batching="cyclic", seed=0)
+
+    def logits(m, x, z, mask):
+        out = m(x, z, scale=0.5, mask=mask)
+        return {"logits": out.logits} if as_dict else out
+
+    for x, z, y in loader:
+        mask = torch.ones(len(x), 6, dtype=torch.float64)
+        out = logits(model, x, z, mask)
+        nn.functional.cross_entropy(out["logits"] if as_dict else out.logits, y).backward()
+        want = [torch.zeros_like(p) for p in ref.parameters()]
+        for i in range(len(x)):
+            ref.zero_grad()
+            o = logits(ref, x[i:i + 1], z[i:i + 1], mask[i:i + 1])
+            nn.functional.cross_entropy(o["logits"] if as_dict else o.logits, y[i:i + 1]).backward()
+            gi = [p.grad.detach().clone() for p in ref.parameters()]
+            c = min(1.0, 0.3 / float(torch.sqrt(sum((g ** 2).sum() for g in gi))))
+            for w, g in zip(want, gi):
+                w += c * g
+        opt.step()
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, w / 6.0, rtol=1e-10, atol=1e-12)
+        opt.zero_grad()
+        with torch.no_grad():
+            for rp, p in zip(ref.parameters(), model.parameters()):
+                rp.copy_(p)
+    assert opt.steps_taken == 4
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d, nn.SyncBatchNorm])
+def test_batch_norm_is_refused_at_make_private_naming_the_module(norm):
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(norm(16)), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CorrnoiseError) as e:
+        make_private(model, opt, DataLoader(_data(32), batch_size=8), noise_multiplier=1.0, delta=1e-5, steps=2,
+                     max_grad_norm=1.0, mechanism="identity", batching="cyclic")
+    msg = str(e.value)
+    assert e.value.param == "module" and "\n" not in msg and msg.startswith("module:")
+    assert "'1.0'" in msg and norm.__name__ in msg  # the module's path and type
+    assert not model[0]._forward_hooks  # nothing left attached

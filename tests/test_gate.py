@@ -1,7 +1,8 @@
 """One privacy event, one gate (issue #9 item 1).
 
-Every entry point -- account, calibrate, torch make_private, the Opacus adapter (``corrnoise
-train`` and the planner reach the gate through make_private and calibrate) -- must refuse an event whose accounting method's preconditions fail with
+Every entry point -- account, calibrate, torch make_private, the PrivacyEngine and make_private_run
+layers over it (``corrnoise train`` and the planner reach the gate through make_private and
+calibrate) -- must refuse an event whose accounting method's preconditions fail with
 the SAME one-line error (same parameter, same text): there is one gate
 (:func:`corrnoise.accounting.prepare`) and no copies of its checks.
 """
@@ -46,20 +47,35 @@ def _model():
 
 
 def _make_private(strategy, sampler, method):
-    from corrnoise.torch.optimizer import make_private
+    from torch.utils.data import DataLoader
+
+    from corrnoise.torch import make_private
 
     model = _model()
-    make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy, _dataset(),
-                 mechanism=strategy, sampler=sampler, epsilon=2.0, delta=1e-5, accounting_method=method)
+    make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_dataset(), batch_size=4),
+                 mechanism=strategy, batching=sampler, epsilon=2.0, delta=1e-5, max_grad_norm=1.0,
+                 accounting_method=method)
 
 
-def _make_private_opacus(strategy, sampler, method):
-    pytest.importorskip("opacus")
-    from corrnoise.torch.opacus_adapter import make_private_opacus
+def _privacy_engine(strategy, sampler, method):
+    from torch.utils.data import DataLoader
+
+    from corrnoise.torch.opacus_adapter import PrivacyEngine
 
     model = _model()
-    make_private_opacus(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(), mechanism=strategy,
-                        sampler=sampler, epsilon=2.0, delta=1e-5, accounting_method=method)
+    PrivacyEngine(accounting_method=method).make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_dataset(), batch_size=4), target_epsilon=2.0, target_delta=1e-5, max_grad_norm=1.0,
+        mechanism=strategy, batching=sampler)
+
+
+def _make_private_run(strategy, sampler, method):
+    from corrnoise.torch import make_private_run
+
+    model = _model()
+    make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy,
+                     _dataset(), mechanism=strategy, sampler=sampler, epsilon=2.0, delta=1e-5,
+                     accounting_method=method)
 
 
 ENTRY_POINTS = {
@@ -70,7 +86,8 @@ ENTRY_POINTS = {
     "calibrate_event": lambda c, s, m: calibrate(MechanismEvent(c, s.batching()), epsilon=2.0, delta=1e-5, method=m),
     "prepare": lambda c, s, m: prepare(MechanismEvent(c, s.batching()), m),
     "make_private": _make_private,
-    "make_private_opacus": _make_private_opacus,
+    "privacy_engine": _privacy_engine,
+    "make_private_run": _make_private_run,
 }
 
 

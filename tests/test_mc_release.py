@@ -21,6 +21,7 @@ from corrnoise.errors import CorrnoiseError
 from corrnoise.sampling import BallsInBinsSampler
 from corrnoise.strategies import parse_strategy
 from corrnoise.torch import make_private
+from corrnoise.torch.opacus_adapter import PrivacyEngine
 
 F = torch.nn.functional
 
@@ -42,10 +43,16 @@ def _dataset(n=40):
 
 
 def _private(**kwargs):
+    """The front door's optimizer (its plan, noise and privacy_spent) on a balls-in-bins run."""
+    from torch.utils.data import DataLoader
+
     model = _mlp()
-    options = dict(mechanism="bsr:2", delta=1e-2, sampler=BallsInBinsSampler(40, 10, 20, seed=4), noise_seed=0)
+    options = dict(mechanism="bsr:2", delta=1e-2, batching=BallsInBinsSampler(40, 10, 20, seed=4), noise_seed=0,
+                   max_grad_norm=1.0)
     options.update(kwargs)
-    return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(), **options)
+    _, optimizer, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   DataLoader(_dataset(), batch_size=4), **options)
+    return optimizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,16 +83,15 @@ def test_make_private_refuses_noise_that_failed_verification():
     _one_line(e, "verify")
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_opacus_adapter_refuses_noise_that_failed_verification():
-    pytest.importorskip("opacus")
-    from corrnoise.torch.opacus_adapter import make_private_opacus
+def test_privacy_engine_refuses_noise_that_failed_verification():
+    from torch.utils.data import DataLoader
 
     model = _mlp()
     with pytest.raises(CorrnoiseError) as e:
-        make_private_opacus(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(), mechanism="bsr:2",
-                            epsilon=3.0, delta=1e-3, sampler=BallsInBinsSampler(40, 10, 20, seed=4),
-                            accounting_options={"samples": 2 ** 14, "verify_samples": 2000})
+        PrivacyEngine(accounting_options={"samples": 2 ** 14, "verify_samples": 2000}).make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_dataset(), batch_size=4), target_epsilon=3.0, target_delta=1e-3,
+            max_grad_norm=1.0, mechanism="bsr:2", batching=BallsInBinsSampler(40, 10, 20, seed=4))
     _one_line(e, "verify")
 
 

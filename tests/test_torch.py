@@ -1,28 +1,30 @@
-"""The PyTorch entry point: per-example clipping, the privatizer, the optimizer wrapper,
-make_private's agreement checks, and the Opacus adapter (skipped without opacus)."""
+"""Privacy properties of the PyTorch layer, all against the one engine (the front door
+:func:`corrnoise.torch.make_private`) and the layers over it (:func:`make_private_run`, the
+Opacus-style :class:`PrivacyEngine`): the plan's agreement refusals, the privatizer, the noise
+row of each step, steps past the plan, secret noise seeds, checkpoint resume refusals,
+non-finite and low-precision per-example gradients, empty Poisson batches, balls-in-bins
+padding and mid-run accounting. The torch.func per-example reference (:mod:`.per_example`) is
+checked here too, since the engine's tests compare against it.
+
+(Merged from test_torch.py, test_torch_hardening.py and test_review_training.py, issue #9 item 8.)"""
 
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from corrnoise.accounting import account
+from corrnoise.accounting import account, parse_batching
 from corrnoise.errors import CorrnoiseError
 from corrnoise.noise import make_generator, seed_noise
-from corrnoise.sampling import BlockCyclicPoissonSampler, CyclicSampler, PoissonSampler
+from corrnoise.sampling import BallsInBinsSampler, BlockCyclicPoissonSampler, CyclicSampler, PoissonSampler
 from corrnoise.strategies import BLT, Identity, parse_strategy
-from corrnoise.torch import (
-    Privatizer,
-    check_agreement,
-    clip_and_sum,
-    clipped_gradient_sum,
-    make_private,
-    per_example_gradients,
-)
+from corrnoise.torch import PrivacyEngine, Privatizer, check_agreement, make_private, make_private_run
+from corrnoise.torch.optimizer import balls_in_bins_accounted_steps, leading_strategy, privacy_spent
+from corrnoise.torch.per_example import clipped_gradient_sum, per_example_gradients
 
 F = torch.nn.functional
 
@@ -37,6 +39,11 @@ def _batch(b=7, seed=1, dtype=torch.float64):
     return torch.randn(b, 5, generator=g, dtype=dtype) * 3, torch.randint(0, 3, (b,), generator=g)
 
 
+def _dataset(n=40, dtype=torch.float64):
+    x, y = _batch(n, seed=3, dtype=dtype)
+    return TensorDataset(x, y)
+
+
 def _loop_grads(model, x, y):
     """Per-example gradients by a loop of single-example backward passes (the reference)."""
     out = []
@@ -48,8 +55,30 @@ def _loop_grads(model, x, y):
     return out
 
 
-# --- per-example gradients and clipping --------------------------------------------------------
-def test_per_example_gradients_equal_single_example_backward():
+def _loop_clipped_sum(model, x, y, clip):
+    sums = [torch.zeros_like(p) for p in model.parameters()]
+    for gi in _loop_grads(model, x, y):
+        scale = min(1.0, clip / math.sqrt(sum(float((g**2).sum()) for g in gi)))
+        for s, g in zip(sums, gi):
+            s += scale * g
+    return sums
+
+
+def _one_line(exc_info, param):
+    msg = str(exc_info.value)
+    assert exc_info.value.param == param and "\n" not in msg and msg.startswith(param + ":"), msg
+
+
+def _front(model, sampler, *, lr=0.1, **kwargs):
+    """The front door on _dataset() with a ready sampler."""
+    options = dict(mechanism="identity", noise_std=1e-300, delta=1e-5, max_grad_norm=0.5, noise_seed=0)
+    options.update(kwargs)
+    return make_private(model, torch.optim.SGD(model.parameters(), lr=lr), DataLoader(_dataset(), batch_size=8),
+                        batching=sampler, **options)
+
+
+# --- the torch.func reference (tests only) ------------------------------------------------------
+def test_reference_per_example_gradients_equal_single_example_backward():
     model = _mlp()
     x, y = _batch()
     grads, losses = per_example_gradients(model, F.cross_entropy, x, y)
@@ -61,46 +90,14 @@ def test_per_example_gradients_equal_single_example_backward():
     torch.testing.assert_close(losses, want)
 
 
-@pytest.mark.parametrize("clip_norm", [0.05, 0.5, 100.0])
-def test_clipped_sum_equals_loop_of_clipped_gradients(clip_norm):
+@pytest.mark.parametrize("clip_norm", [0.05, 100.0])
+def test_reference_clipped_sum_equals_loop_of_clipped_gradients(clip_norm):
     model = _mlp()
     x, y = _batch()
-    ref = _loop_grads(model, x, y)
-    want = [torch.zeros_like(p) for p in model.parameters()]
-    for gi in ref:
-        norm = math.sqrt(sum(float((g**2).sum()) for g in gi))
-        scale = min(1.0, clip_norm / norm)
-        for w, g in zip(want, gi):
-            w += scale * g
     sums, stats = clipped_gradient_sum(model, F.cross_entropy, x, y, clip_norm)
-    for s, w in zip(sums, want):
+    for s, w in zip(sums, _loop_clipped_sum(model, x, y, clip_norm)):
         torch.testing.assert_close(s, w, rtol=1e-12, atol=1e-12)
     assert stats["count"] == 7
-    # the clipped sum of n examples never exceeds n * clip_norm (sensitivity one clip norm each)
-    total = math.sqrt(sum(float((s**2).sum()) for s in sums))
-    assert total <= 7 * clip_norm * (1 + 1e-12)
-    norms = [math.sqrt(sum(float((g**2).sum()) for g in gi)) for gi in ref]
-    assert stats["clipped_fraction"] == pytest.approx(np.mean([v > clip_norm for v in norms]))
-
-
-def test_padding_weights_equal_dropping_the_examples():
-    model = _mlp()
-    x, y = _batch(6)
-    w = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    keep = w > 0
-    a, _ = clipped_gradient_sum(model, F.cross_entropy, x, y, 0.3, weights=w)
-    b, _ = clipped_gradient_sum(model, F.cross_entropy, x[keep], y[keep], 0.3)
-    for s, t in zip(a, b):
-        torch.testing.assert_close(s, t)
-    with pytest.raises(CorrnoiseError, match="^weights"):
-        clip_and_sum([torch.ones(2, 3)], 1.0, weights=torch.tensor([1.0, 2.0]))
-
-
-def test_empty_batch_sums_to_zero():
-    model = _mlp()
-    sums, stats = clipped_gradient_sum(model, F.cross_entropy, torch.zeros(0, 5, dtype=torch.float64),
-                                       torch.zeros(0, dtype=torch.long), 1.0)
-    assert stats["count"] == 0 and all(float(s.abs().sum()) == 0.0 for s in sums)
 
 
 # --- privatizer ------------------------------------------------------------------------------
@@ -135,76 +132,79 @@ def test_privatizer_state_dict_resumes_the_same_noise():
     torch.testing.assert_close(a.privatize([torch.zeros(5)]), b.privatize([torch.zeros(5)]))
 
 
-# --- the optimizer wrapper ----------------------------------------------------------------------
-def _dataset(n=40, dtype=torch.float64):
-    x, y = _batch(n, seed=3, dtype=dtype)
-    return torch.utils.data.TensorDataset(x, y)
-
-
+# --- the (x, y) helper over the front door ---------------------------------------------------------
 def test_sgd_step_is_theta_minus_lr_times_privatized_gradient():
     model = _mlp()
     before = [p.detach().clone() for p in model.parameters()]
-    ds = _dataset()
-    sampler = CyclicSampler(40, 8, steps=5, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    private = make_private(model, opt, F.cross_entropy, ds, mechanism="bsr:2", noise_std=0.7, delta=1e-5,
-                           sampler=sampler, clip_norm=0.5, seed=11, noise_seed=11)
-    x, y = next(iter(private.data_loader))
-    private.step(x, y)
+    run = make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                           mechanism="bsr:2", noise_std=0.7, delta=1e-5, sampler=CyclicSampler(40, 8, steps=5, seed=0),
+                           clip_norm=0.5, seed=11, noise_seed=11)
+    x, y = next(iter(run.data_loader))
+    stats = run.step(x, y)
+    assert stats["count"] == 8 and 0.0 <= stats["clipped_fraction"] <= 1.0
     # reference: loop of clipped single-example gradients + the generator's first noise row
-    ref = _loop_grads(_mlp(), x, y)
-    sums = [torch.zeros_like(p) for p in before]
-    for gi in ref:
-        scale = min(1.0, 0.5 / math.sqrt(sum(float((g**2).sum()) for g in gi)))
-        for s, g in zip(sums, gi):
-            s += scale * g
+    sums = _loop_clipped_sum(_mlp(), x, y, 0.5)
     noise = make_generator(parse_strategy("bsr:2", 5), [p.shape for p in before], noise_std=0.7, seed=11,
                            dtype=torch.float64).next()
     for p, b, s, z in zip(model.parameters(), before, sums, noise):
         torch.testing.assert_close(p.detach(), b - 0.1 * (s + 0.5 * z) / 8.0)
-    assert private.steps_taken == 1
+    assert run.steps_taken == 1
 
 
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     lambda ps: torch.optim.Adam(ps, lr=0.01),
 ])
-def test_make_private_three_lines_and_spent_epsilon(make_opt):
+def test_helper_three_lines_spent_epsilon_and_no_step_past_the_plan(make_opt):
     model = _mlp()
-    private = make_private(model, make_opt(model.parameters()), F.cross_entropy, _dataset(), mechanism="identity",
+    run = make_private_run(model, make_opt(model.parameters()), F.cross_entropy, _dataset(), mechanism="identity",
                            epsilon=4.0, delta=1e-5, batch_size=10, steps=6, seed=0,
                            accounting_options={"discretization": 1e-3})
-    for x, y in private.data_loader:
-        private.step(x, y)
-    spent = private.privacy_spent()
-    assert private.steps_taken == 6 and isinstance(private.sampler, PoissonSampler)
+    batches = []
+    for x, y in run.data_loader:
+        run.step(x, y)
+        batches.append((x, y))
+    spent = run.privacy_spent()
+    assert run.steps_taken == len(batches) == 6 and isinstance(run.sampler, PoissonSampler)
     assert spent.epsilon <= 4.0 and spent.epsilon > 3.9  # calibrated for exactly these steps
-    half = private.privacy_spent(steps=3)
+    half = run.privacy_spent(steps=3)
     assert 0.0 < half.epsilon < spent.epsilon
-    assert private.privacy_spent(steps=0).epsilon == 0.0
-    with pytest.raises(CorrnoiseError, match="^steps"):
-        private.step(*next(iter(private.data_loader)))
+    assert run.privacy_spent(steps=0).epsilon == 0.0
+    assert list(run.data_loader) == []  # the loader yields no batch past the plan
+    with pytest.raises(CorrnoiseError) as e:  # nor does the optimizer take a step with an old one
+        run.step(*batches[0])
+    _one_line(e, "steps")
+    assert run.steps_taken == 6
 
 
 def test_block_cyclic_sampler_chosen_for_banded_mechanism():
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    private = make_private(model, opt, F.cross_entropy, _dataset(), mechanism="bsr:2", noise_multiplier=1.0,
-                           delta=1e-5, batch_size=5, steps=8, seed=0)
-    assert isinstance(private.sampler, BlockCyclicPoissonSampler) and private.sampler.blocks == 2
-    assert private.batching.spec.startswith("block-cyclic:2:")
-    for x, y in private.data_loader:
-        private.step(x, y)
-    want = account(parse_strategy("bsr:2", 8), private.batching, delta=1e-5, noise_std=private.noise_std)
-    assert private.privacy_spent().epsilon == pytest.approx(want.epsilon, rel=1e-12)
+    run = make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                           mechanism="bsr:2", noise_multiplier=1.0, delta=1e-5, batch_size=5, steps=8, seed=0)
+    assert isinstance(run.sampler, BlockCyclicPoissonSampler) and run.sampler.blocks == 2
+    assert run.batching.spec.startswith("block-cyclic:2:")
+    for x, y in run.data_loader:
+        run.step(x, y)
+    want = account(parse_strategy("bsr:2", 8), run.batching, delta=1e-5, noise_std=run.noise_std)
+    assert run.steps_taken == 8
+    assert run.privacy_spent().epsilon == pytest.approx(want.epsilon, rel=1e-12)
+
+
+def test_unamplified_run_shorter_than_the_mechanism_accounts_its_leading_block():
+    model = _mlp()
+    sampler = CyclicSampler(40, 8, steps=10, seed=0)  # 2 epochs of 5 batches: cyclic:2:5
+    run = make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                           mechanism=parse_strategy("toeplitz-sqrt", 30), epsilon=2.0, delta=1e-5, sampler=sampler)
+    for x, y in run.data_loader:
+        run.step(x, y)
+    want = account(parse_strategy("toeplitz-sqrt", 10), parse_batching("none", "cyclic:2:5"), delta=1e-5,
+                   noise_std=run.noise_std)
+    spent = run.privacy_spent()
+    assert spent.epsilon == pytest.approx(want.epsilon, rel=1e-12) and spent.epsilon <= 2.0
+    assert spent.epsilon == pytest.approx(2.0, rel=1e-6)
 
 
 # --- agreement of sampler, mechanism and accounting ---------------------------------------------
-def _one_line(exc_info, param):
-    msg = str(exc_info.value)
-    assert exc_info.value.param == param and "\n" not in msg and msg.startswith(param + ":")
-
-
 def test_steps_beyond_the_mechanism_are_refused():
     with pytest.raises(CorrnoiseError) as e:
         check_agreement(Identity(5), sampler=PoissonSampler(100, 0.1, 6, seed=0))
@@ -258,148 +258,409 @@ def test_accounting_must_match_the_sampler():
 
 def test_make_private_errors_name_the_parameter():
     model = _mlp()
+    loader = DataLoader(_dataset(), batch_size=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(CorrnoiseError) as e:
-        make_private(model, opt, F.cross_entropy, _dataset(), mechanism="identity", delta=1e-5, batch_size=10, steps=3)
+        make_private(model, opt, loader, mechanism="identity", delta=1e-5, steps=3, max_grad_norm=1.0)
     _one_line(e, "epsilon")
     with pytest.raises(CorrnoiseError) as e:
-        make_private(model, opt, F.cross_entropy, _dataset(), mechanism=Identity(3), noise_std=1.0, delta=1e-5,
-                     batch_size=10, steps=4)
+        make_private(model, opt, loader, mechanism=Identity(3), noise_std=1.0, delta=1e-5, steps=4, max_grad_norm=1.0)
     _one_line(e, "steps")
+    with pytest.raises(CorrnoiseError) as e:
+        make_private(model, opt, loader, mechanism="identity", noise_std=1.0, delta=1e-5, steps=3, max_grad_norm=1.0,
+                     batching=PoissonSampler(41, 0.25, 3, seed=0))
+    _one_line(e, "sampler")  # built for another dataset
+    with pytest.raises(CorrnoiseError) as e:
+        make_private(model, opt, loader, mechanism="identity", noise_std=1.0, delta=1e-5, steps=3, max_grad_norm=1.0,
+                     batching="shuffle")
+    _one_line(e, "batching")
     other = torch.nn.Linear(2, 2)
     with pytest.raises(CorrnoiseError) as e:
-        make_private(model, torch.optim.SGD(other.parameters(), lr=0.1), F.cross_entropy, _dataset(),
-                     mechanism="identity", noise_std=1.0, delta=1e-5, batch_size=10, steps=3)
+        make_private(model, torch.optim.SGD(other.parameters(), lr=0.1), loader, mechanism="identity", noise_std=1.0,
+                     delta=1e-5, steps=3, max_grad_norm=1.0)
     _one_line(e, "optimizer")
-
-
-# --- Opacus adapter ------------------------------------------------------------------------------
-def test_opacus_missing_is_one_line(monkeypatch):
-    from corrnoise.torch.opacus_adapter import require_opacus
-
-    monkeypatch.setitem(sys.modules, "opacus", None)
+    # the refused call left no hooks: the module trains privately afterwards
+    model, opt, loader = make_private(model, opt, loader, mechanism="identity", noise_std=1.0, delta=1e-5, steps=1,
+                                      max_grad_norm=1.0, batching="cyclic")
+    for x, y in loader:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.steps_taken == 1
     with pytest.raises(CorrnoiseError) as e:
-        require_opacus()
-    _one_line(e, "opacus")
+        fresh = _mlp()
+        make_private_run(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                         noise_std=1.0, delta=1e-5, steps=3)
+    _one_line(e, "batch_size")
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_opacus_per_sample_gradients_equal_ours():
-    opacus = pytest.importorskip("opacus")
-    model = _mlp()
-    x, y = _batch()
-    ours, _ = per_example_gradients(_mlp(), F.cross_entropy, x, y)  # same weights, no Opacus hooks
-    gsm = opacus.GradSampleModule(model, loss_reduction="sum")
-    F.cross_entropy(gsm(x), y, reduction="sum").backward()
-    for p, g in zip(model.parameters(), ours.values()):
-        torch.testing.assert_close(p.grad_sample, g, rtol=1e-10, atol=1e-12)
+# --- noise rows, seeds and checkpoints -----------------------------------------------------------
+def test_step_t_adds_noise_row_t_or_refuses():
+    """The accounting of k steps analyses rows 0..k-1 of C^{-1} Z: a privatizer whose generator
+    already gave out a row must not add row t != steps_taken (noise reused across steps).
+    Independent check: materialized C^{-1} Z, lr 1 SGD from 0 with zero gradients."""
+    n, seed = 4, 17
+    strategy = parse_strategy("bsr:2", n)
 
+    def build():
+        model = torch.nn.Linear(2, 1, bias=False).double()
+        torch.nn.init.zeros_(model.weight)
+        ds = TensorDataset(torch.zeros(8, 2, dtype=torch.float64), torch.zeros(8, 1, dtype=torch.float64))
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=1.0), DataLoader(ds, batch_size=2),
+                            mechanism=strategy, noise_std=1.0, delta=1e-5, steps=n, max_grad_norm=1.0,
+                            batching="cyclic", noise_seed=seed)
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_opacus_adapter_adds_our_correlated_noise():
-    pytest.importorskip("opacus")
-    from corrnoise.torch.opacus_adapter import make_private_opacus
-
-    model = _mlp()
-    before = [p.detach().clone() for p in model.parameters()]
-    run = make_private_opacus(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(), mechanism="bsr:2",
-                              noise_std=0.9, delta=1e-5, sampler=CyclicSampler(40, 8, steps=5, seed=0),
-                              max_grad_norm=0.5, seed=21, noise_seed=21)
-    noise_gen = make_generator(parse_strategy("bsr:2", 5), [p.shape for p in before], noise_std=0.9, seed=21,
-                               dtype=torch.float64)
-    ref_model = _mlp()
-    for step, (x, y) in enumerate(run.data_loader):
-        if step == 2:
-            break
-        sums, _ = clipped_gradient_sum(ref_model, F.cross_entropy, x, y, 0.5)
-        noise = noise_gen.next()
-        want = [(s + 0.5 * z) / 8.0 for s, z in zip(sums, noise)]
-        run.optimizer.zero_grad()
-        F.cross_entropy(run.module(x), y).backward()
-        run.optimizer.step()
-        for p, w in zip(model.parameters(), want):
-            # Opacus clips with max_grad_norm / (norm + 1e-6): a relative difference of ~1e-6
-            torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-7)
-        with torch.no_grad():
-            for rp, w in zip(ref_model.parameters(), want):
-                rp -= 0.1 * w
-    for p, rp in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p.detach(), rp.detach(), rtol=1e-5, atol=1e-7)
-    assert run.steps_taken == 2
-    assert run.privacy_spent().epsilon > 0
-
-
-def test_unamplified_run_shorter_than_the_mechanism_accounts_its_leading_block():
-    model = _mlp()
-    sampler = CyclicSampler(40, 8, steps=10, seed=0)  # 2 epochs of 5 batches: cyclic:2:5
-    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
-                           mechanism=parse_strategy("toeplitz-sqrt", 30), epsilon=2.0, delta=1e-5, sampler=sampler)
-    for x, y in private.data_loader:
-        private.step(x, y)
-    from corrnoise.accounting import parse_batching
-
-    want = account(parse_strategy("toeplitz-sqrt", 10), parse_batching("none", "cyclic:2:5"), delta=1e-5,
-                   noise_std=private.noise_std)
-    spent = private.privacy_spent()
-    assert spent.epsilon == pytest.approx(want.epsilon, rel=1e-12) and spent.epsilon <= 2.0
-    assert spent.epsilon == pytest.approx(2.0, rel=1e-6)
-
-
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-@pytest.mark.parametrize("backward_on_empty", [False, True])
-def test_opacus_adapter_empty_poisson_batches_still_use_their_noise_row(backward_on_empty):
-    pytest.importorskip("opacus")
-    from corrnoise.torch.opacus_adapter import make_private_opacus
-
-    model = _mlp()
-    sampler = PoissonSampler(40, 0.02, 12, seed=1)
-    empty = sum(1 for b in sampler if not b)
-    assert empty > 0
-    run = make_private_opacus(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(), mechanism="identity",
-                              noise_std=1.0, delta=1e-5, sampler=sampler, seed=0,
-                              accounting_options={"discretization": 1e-3})
-    for x, y in run.data_loader:
-        run.optimizer.zero_grad()
-        if len(x) or backward_on_empty:
-            F.cross_entropy(run.module(x), y).backward()
-        run.optimizer.step()
-    assert run.steps_taken == 12
-    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-def test_fixed_size_balls_in_bins_batches_pad_with_zero_weight():
-    from corrnoise.sampling import BallsInBinsSampler
-
-    model = _mlp()
-    sampler = BallsInBinsSampler(40, 5, 10, batch_size=8, seed=4)  # bins of ~8: some padded, some truncated
-    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), F.cross_entropy, _dataset(),
-                           mechanism="identity", noise_std=1e-300, delta=1e-5, sampler=sampler, clip_norm=0.5)
-    assert private.batching.spec == "balls-in-bins:5"
-    x_all, y_all = _dataset().tensors
-    padded_seen = 0
-    for t, ((x, y), w) in enumerate(private.data_loader):
-        assert x.shape[0] == 8  # always exactly B entries
-        real = [i for i in sampler.batch(t) if i < 40]
-        padded_seen += int((w == 0).sum())
-        assert int((w > 0).sum()) == len(real)
-        private.step(x, y, weights=w)
-        got = [p.grad for p in model.parameters()]  # (sum over real examples + ~0 noise) / B
-        want, _ = clipped_gradient_sum(_mlp(), F.cross_entropy, x_all[real], y_all[real], 0.5)
-        for g, s in zip(got, want):
-            torch.testing.assert_close(g, s / 8.0)
-    assert padded_seen == sampler.padding_report()["padded"] > 0
+    z = np.stack([seed_noise(seed, t, 2).numpy() for t in range(n)])
+    noise = strategy.noising_matrix() @ z
+    model, opt, loader = build()
+    for t, (x, y) in enumerate(loader):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        want = -noise[: t + 1].sum(axis=0) / opt.expected_batch_size
+        np.testing.assert_allclose(model.weight.detach().numpy().reshape(-1), want, rtol=1e-12, atol=1e-15)
+    model, opt, loader = build()
+    opt.privatizer.noise()  # row 0 handed out behind the optimizer's back
+    x, y = next(iter(loader))
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(CorrnoiseError) as e:
+        opt.step()
+    _one_line(e, "steps")
 
 
 def test_noise_seed_is_secret_unless_given():
     """The sampler seed must not fix the noise: whoever knows the noise seed can subtract it."""
-    runs = []
+    seeds = []
     for _ in range(2):
-        model = _mlp()
-        runs.append(make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
-                                 mechanism="identity", noise_std=1.0, delta=1e-5, batch_size=10, steps=3, seed=5))
-    seeds = [r.privatizer.generator.seed for r in runs]
+        _, opt, _ = _front(_mlp(), "cyclic", steps=3, seed=5, noise_seed=None)
+        seeds.append(opt.noise_seed)
+        assert "seed" not in opt.state_dict()["noise"]["generator"]
     assert seeds[0] != seeds[1] and 5 not in seeds
+    _, fixed, _ = _front(_mlp(), "cyclic", steps=3, seed=5, noise_seed=9)
+    assert fixed.noise_seed == 9
     model = _mlp()
-    fixed = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
-                         mechanism="identity", noise_std=1.0, delta=1e-5, batch_size=10, steps=3, seed=5, noise_seed=9)
-    assert fixed.privatizer.generator.seed == 9
+    run = make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                           noise_std=1.0, delta=1e-5, batch_size=10, steps=3, seed=5)
+    assert run.noise_seed not in seeds + [5, 9]
+
+
+def _blocked_run(seed, noise_seed=None):
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    model = torch.nn.Linear(3, 2)
+    return make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, ds,
+                            mechanism="bsr:2", sampler="block-cyclic", delta=1e-5, noise_std=1.0, batch_size=4,
+                            steps=20, seed=seed, noise_seed=noise_seed)
+
+
+def test_resumed_block_cyclic_run_keeps_every_example_in_its_block():
+    """Block-cyclic accounting (tutorial Def. 3.20, Thm 3.21) needs each example to appear only in
+    steps congruent to its one block mod BLOCKS for the whole run, across a checkpoint/resume too;
+    and the noise must continue the same stream (a fresh secret noise seed would not). Independent
+    check: the batches actually fed to step() before and after resuming share one residue mod 2."""
+    first = _blocked_run(seed=None)
+    seen: dict[int, set[int]] = {}
+    it = iter(first.data_loader)
+    for t in range(10):
+        for i in first.sampler.batch(t):
+            seen.setdefault(i, set()).add(t % 2)
+        first.step(*next(it))
+    state = first.state_dict()
+    assert "seed" not in state["noise"]["generator"]
+
+    with pytest.raises(CorrnoiseError) as e:  # a fresh process: new secret noise seed, checkpoint has none
+        _blocked_run(seed=state["sampler"]["seed"]).load_state_dict(state)
+    _one_line(e, "noise_seed")
+    with pytest.raises(CorrnoiseError) as e:  # the sampler drawn anew: blocks would change
+        _blocked_run(seed=None, noise_seed=first.noise_seed).load_state_dict(state)
+    _one_line(e, "sampler")
+    resumed = _blocked_run(seed=state["sampler"]["seed"], noise_seed=first.noise_seed)
+    resumed.load_state_dict(state)
+    t = resumed.steps_taken
+    assert t == 10
+    for x, y in resumed.data_loader:
+        for i in resumed.sampler.batch(t):
+            seen.setdefault(i, set()).add(t % 2)
+        resumed.step(x, y)
+        t += 1
+    assert t == 20
+    assert all(len(r) == 1 for r in seen.values()), "an example participated in both blocks' steps"
+
+
+# --- per-example gradients the engine must not pass on ------------------------------------------
+def test_a_non_finite_per_example_gradient_is_zeroed_out_not_propagated():
+    """Zero-out adjacency (tutorial Def. 3.5): the step with an example whose gradient is NaN/inf
+    (an extreme input) must equal the one with that example's gradient replaced by zero -- a NaN
+    or inf released gradient reveals that it was in the batch (epsilon = infinity). Independent
+    check: a loop of float64 clips over the finite examples."""
+    for bad in (float("inf"), float("nan")):
+        model = _mlp()
+        _, opt, loader = _front(model, CyclicSampler(40, 8, steps=5, seed=0))
+        x, y = next(iter(loader))
+        x = x.clone()
+        x[2, 0] = bad  # example 2's logits, hence its gradient, are NaN
+        keep = [i for i in range(len(x)) if i != 2]
+        want = _loop_clipped_sum(_mlp(), x[keep], y[keep], 0.5)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        for p, s in zip(model.parameters(), want):
+            assert bool(torch.isfinite(p.grad).all())
+            torch.testing.assert_close(p.grad, s / 8.0, rtol=1e-10, atol=1e-12)
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        assert opt.last_stats["count"] == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_clipping_keeps_each_contribution_within_the_clip_norm(dtype):
+    """Zero-out sensitivity is the clip norm (tutorial Eq. 1.3): one example's clipped term, as
+    the optimizer takes it from the engine and measured in float64, has norm <= zeta (up to
+    float32 round-off) and = zeta for a large gradient. Norms accumulated in bfloat16 overshot
+    by ~0.6%; in float16 the squares overflowed to inf and large gradients were zeroed."""
+    g = torch.Generator().manual_seed(0)
+    worst, least = 0.0, float("inf")
+    for k in range(5):
+        torch.manual_seed(k)
+        model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.Linear(300, 7)).to(dtype)
+        ds = TensorDataset(torch.randn(4, 200, generator=g).to(dtype) * 30, torch.randn(4, 7, generator=g).to(dtype))
+        _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), DataLoader(ds, batch_size=1),
+                                      mechanism="identity", noise_std=1.0, delta=1e-5, steps=4, max_grad_norm=1.0,
+                                      batching="cyclic")
+        for x, y in loader:
+            (model(x).float() - y.float()).pow(2).sum().backward()
+            sums, _ = opt.engine.clipped_sum(1)
+            assert all(s.dtype == torch.float32 for s in sums)
+            norm = float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums)))
+            worst, least = max(worst, norm), min(least, norm)
+            opt.zero_grad()
+    assert worst <= 1.0 + 1e-5
+    assert least >= 1.0 - 1e-2
+
+
+# --- sampler batches: empty Poisson batches, balls-in-bins padding, mid-run accounting -----------
+@pytest.mark.parametrize("backward_on_empty", [False, True])
+def test_empty_poisson_batches_still_use_their_noise_row(backward_on_empty):
+    """An empty batch is a step of the accounted run: it adds its noise row (zero gradient sum),
+    or every later step would add the wrong row. Independent check: zero-gradient model, lr 1,
+    weights = - sum of the generator's rows / B."""
+    sampler = PoissonSampler(40, 0.02, 12, seed=1)
+    empty = sum(1 for b in sampler if not b)
+    assert empty > 0
+    model = torch.nn.Linear(5, 3, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    _, opt, loader = _front(model, sampler, lr=1.0, noise_std=1.0, noise_seed=4,
+                            accounting_options={"discretization": 1e-3})
+    while opt.steps_taken < opt.steps:  # a pass over the loader is an epoch: N / B = 5 steps
+        for x, y in loader:
+            if len(x) or backward_on_empty:
+                (model(x * 0.0).sum() * 0.0).backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.steps_taken == opt.privatizer.step == 12
+    rows = make_generator(Identity(12), [(3, 5)], noise_std=1.0, seed=4, dtype=torch.float64)
+    want = -sum(rows.next()[0] for _ in range(12)) * 0.5 / opt.expected_batch_size
+    torch.testing.assert_close(model.weight.detach(), want, rtol=1e-10, atol=1e-12)
+
+
+def test_fixed_size_balls_in_bins_batches_pad_with_zero_weight():
+    """Seed 000 App. I: always B entries, padding entries weighted 0, always divided by B."""
+    model = _mlp()
+    sampler = BallsInBinsSampler(40, 5, 10, batch_size=8, seed=4)  # bins of ~8: some padded, some truncated
+    _, opt, loader = _front(model, sampler, lr=0.0)
+    assert opt.batching.spec == "balls-in-bins:5"
+    x_all, y_all = _dataset().tensors
+    padded = 0
+    for t, (x, y) in enumerate(b for _ in range(2) for b in loader):  # 2 epochs of 5 bins
+        assert x.shape[0] == 8  # always exactly B entries
+        real = [i for i in sampler.batch(t) if i < 40]
+        padded += 8 - len(real)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert opt.last_stats["count"] == len(real)
+        want = _loop_clipped_sum(_mlp(), x_all[real], y_all[real], 0.5)  # (sum over real + ~0 noise) / B
+        for p, s in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, s / 8.0)
+        opt.zero_grad()
+    assert padded == sampler.padding_report()["padded"] > 0
+
+
+def test_balls_in_bins_accounted_steps_round_up_to_whole_epochs():
+    assert [balls_in_bins_accounted_steps(t, 5) for t in (1, 4, 5, 6, 10, 11)] == [5, 5, 5, 10, 10, 15]
+
+
+def test_mid_run_balls_in_bins_privacy_spent_accounts_the_rounded_up_steps():
+    model = _mlp()
+    _, opt, loader = _front(model, BallsInBinsSampler(40, 5, 10, seed=4), mechanism="bsr:2", noise_std=2.0,
+                            delta=1e-2)
+    assert opt.batching.spec == "balls-in-bins:5"
+    batches = iter(loader)
+    for _ in range(3):
+        x, y = next(batches)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    opts = dict(samples=20_000, seed=1)
+    mid = opt.privacy_spent(**opts)
+    assert mid.extras["steps"] == 3 and mid.extras["accounted_steps"] == 5
+    assert mid.kind == "guarantee" and mid.extras["verified"] is True
+    want = account(leading_strategy(opt.strategy, 5), parse_batching("balls-in-bins:5"), delta=1e-2,
+                   noise_std=2.0, **opts)
+    assert mid.epsilon == want.epsilon
+    full = opt.privacy_spent(steps=10, **opts)
+    assert full.extras["accounted_steps"] == 10
+    assert 0 < mid.epsilon <= full.epsilon
+
+
+def test_balls_in_bins_rounded_up_steps_beyond_the_mechanism_are_refused():
+    with pytest.raises(CorrnoiseError) as e:
+        privacy_spent(Identity(7), parse_batching("balls-in-bins:5"), noise_std=2.0, delta=1e-5, steps=6)
+    _one_line(e, "steps")
+
+
+# --- the Opacus-style PrivacyEngine (no opacus needed) --------------------------------------------
+def test_privacy_engine_adds_our_correlated_noise_to_the_engine_clipped_sum():
+    model = _mlp()
+    engine = PrivacyEngine()
+    before = [p.detach().clone() for p in model.parameters()]
+    module, optimizer, data_loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_dataset(), batch_size=8), noise_multiplier=0.9, max_grad_norm=0.5, mechanism="bsr:2",
+        steps=5, poisson_sampling=False, seed=21, noise_seed=21, delta=1e-5)
+    assert module is model and optimizer.expected_batch_size == 8.0
+    nu = optimizer.noise_std
+    assert optimizer.noise_multiplier == pytest.approx(0.9)
+    gen = make_generator(parse_strategy("bsr:2", 5), [p.shape for p in before], noise_std=nu, seed=21,
+                         dtype=torch.float64)
+    ref_model = _mlp()
+    for step, (x, y) in enumerate(data_loader):
+        if step == 2:
+            break
+        want = [(s + 0.5 * z) / 8.0 for s, z in zip(_loop_clipped_sum(ref_model, x, y, 0.5), gen.next())]
+        optimizer.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        optimizer.step()
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, w, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():
+            for rp, w in zip(ref_model.parameters(), want):
+                rp -= 0.1 * w
+    for p, rp in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), rp.detach(), rtol=1e-10, atol=1e-12)
+    assert engine.steps_taken == 2
+    want = privacy_spent(optimizer.strategy, optimizer.batching, noise_std=nu, delta=1e-6, steps=2, planned_steps=5)
+    assert engine.get_epsilon(1e-6) == pytest.approx(want.epsilon, rel=1e-12)
+    assert engine.get_epsilon(1e-5) == optimizer.privacy_spent().epsilon < engine.get_epsilon(1e-6)
+
+
+def test_privacy_engine_with_epsilon_trains_and_refuses_what_it_cannot_honour():
+    model = _mlp()
+    engine = PrivacyEngine(accounting_options={"discretization": 1e-3})
+    with pytest.raises(CorrnoiseError) as e:
+        engine.get_epsilon(1e-5)
+    _one_line(e, "optimizer")
+    _, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_dataset(), batch_size=10), target_epsilon=4.0, target_delta=1e-5, epochs=2,
+        max_grad_norm=1.0, mechanism="identity", seed=0)
+    assert isinstance(optimizer.sampler, PoissonSampler)
+    for _ in range(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    assert optimizer.steps_taken == optimizer.steps == 8
+    assert 3.9 < engine.get_epsilon(1e-5) <= 4.0
+    fresh = _mlp()
+    kwargs = dict(module=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1),
+                  data_loader=DataLoader(_dataset(), batch_size=10), noise_multiplier=1.0, max_grad_norm=1.0, steps=3)
+    for bad, param in ((dict(batch_first=False), "batch_first"), (dict(clipping="per_layer"), "clipping"),
+                       (dict(noise_generator=torch.Generator()), "noise_generator"),
+                       (dict(poisson_sampling=False, batching="poisson"), "poisson_sampling")):
+        with pytest.raises(CorrnoiseError) as e:
+            engine.make_private(**kwargs, **bad)
+        _one_line(e, param)
+
+
+def test_privacy_engine_takes_no_more_private_steps_than_planned():
+    """Accounting covers the sampler's planned steps. A mechanism built for more steps than the
+    run must not let a second pass over the data loader add noise rows and updates: count the
+    optimizer steps that changed the model (independently of the noise counter)."""
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    model = torch.nn.Linear(3, 2)
+    _, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(ds, batch_size=8),
+        noise_multiplier=1.0, max_grad_norm=1.0, mechanism=Identity(30), batching=PoissonSampler(40, 0.2, 5, seed=1),
+        accounting_options={"discretization": 1e-3})
+    updates, last = 0, None
+    for _ in range(2):
+        for x, y in loader:
+            before = model.weight.detach().clone()
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            updates += int(not torch.equal(before, model.weight.detach()))
+            last = (x, y)
+    assert updates == 5
+    optimizer.zero_grad()
+    F.cross_entropy(model(last[0]), last[1]).backward()
+    with pytest.raises(CorrnoiseError) as e:
+        optimizer.step()
+    _one_line(e, "steps")
+
+
+def test_virtual_steps_are_refused_accumulated_batches_too():
+    """Several sampled batches in one noise row are outside the accounted sampling rate."""
+    _, opt, loader = _front(_mlp(), CyclicSampler(40, 8, steps=5, seed=0))
+    model = opt.engine.module
+    batches = iter(loader)
+    x, y = next(batches)
+    F.cross_entropy(model(x), y).backward()
+    x, y = next(batches)  # a second sampled batch into the same noise row: its forward is refused
+    with pytest.raises(CorrnoiseError) as e:
+        F.cross_entropy(model(x), y).backward()
+    _one_line(e, "engine")
+    with pytest.raises(CorrnoiseError) as e:
+        opt.signal_skip_step(do_skip=True)
+    _one_line(e, "signal_skip_step")
+    opt.signal_skip_step(do_skip=False)  # not skipping is fine
+    assert opt.steps_taken == 0
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_opacus_batch_memory_manager_is_refused():
+    pytest.importorskip("opacus")
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    model = _mlp()
+    _, opt, loader = _front(model, CyclicSampler(40, 8, steps=5, seed=0))
+    with pytest.raises(CorrnoiseError) as e:
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as physical:
+            for x, y in physical:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+    assert e.value.param in ("signal_skip_step", "data_loader") and "\n" not in str(e.value)
+    assert opt.steps_taken == 0
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_engine_clipped_sum_equals_opacus_per_sample_clipping():
+    """Cross-check against an independent implementation: Opacus's per-sample gradients,
+    clipped and summed by hand, equal the engine's clipped sum the optimizer takes."""
+    opacus = pytest.importorskip("opacus")
+    x, y = _batch()
+    gsm = opacus.GradSampleModule(_mlp(), loss_reduction="sum")
+    F.cross_entropy(gsm(x), y, reduction="sum").backward()
+    per = [p.grad_sample for p in gsm._module.parameters()]
+    norms = torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in per))
+    scale = (0.3 / norms).clamp(max=1.0)
+    want = [torch.einsum("b,b...->...", scale, g) for g in per]
+    model = _mlp()
+    ds = TensorDataset(x, y)
+    _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), DataLoader(ds, batch_size=7),
+                                  mechanism="identity", noise_std=1e-300, delta=1e-5, steps=1, max_grad_norm=0.3,
+                                  batching="cyclic", seed=0)
+    for xb, yb in loader:
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad * 7.0, w, rtol=1e-10, atol=1e-12)

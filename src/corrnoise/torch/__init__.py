@@ -1,23 +1,45 @@
-"""PyTorch training with correlated noise (layer 6): per-example gradients, the privatizer,
-the optimizer wrapper and ``make_private``, an Opacus adapter and sharded distributed noise.
+"""PyTorch training with correlated noise (layer 6): one engine, the front door
+:func:`make_private` (:mod:`.front`), on the user's own loop.
 
     from corrnoise.torch import make_private
-    private = make_private(model, optimizer, loss_fn, train_set, mechanism="bsr:4",
-                           epsilon=8.0, delta=1e-5, batch_size=64, epochs=10)
-    for x, y in private.data_loader:
-        private.step(x, y)
-    print(private.privacy_spent().epsilon)
+    model, optimizer, data_loader = make_private(model, optimizer, data_loader, mechanism="bsr:4",
+                                                 epsilon=8.0, delta=1e-5, epochs=10, max_grad_norm=1.0)
+    for epoch in range(10):
+        for x, y in data_loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    print(optimizer.privacy_spent().epsilon)
 
-The Opacus adapter (:mod:`corrnoise.torch.opacus_adapter`, extra ``opacus``) and the
-distributed helpers (:mod:`corrnoise.torch.distributed`) are imported on demand.
+Layers over the same engine (same plan and gate, sampler, clipping engine and noise):
+:class:`~corrnoise.torch.opacus_adapter.PrivacyEngine` (Opacus's names; Opacus itself is not
+needed) and :func:`~corrnoise.torch.run.make_private_run` (an ``(x, y)`` step).
+
+Migrating from the old ``make_private(model, optimizer, loss_fn, dataset, ...)`` returning a
+``PrivateOptimizer`` with ``step(x, y, weights=None)``:
+
+* either rename the call to ``make_private_run`` (same arguments but ``chunk_size``, dropped:
+  use ``max_physical_batch_size``); ``run.data_loader`` / ``run.step(x, y)`` /
+  ``run.privacy_spent()`` work as before, and padded balls-in-bins batches need no
+  ``weights=`` any more (the loader masks the padding);
+* or call the front door: ``make_private(model, optimizer, DataLoader(dataset,
+  batch_size=B), max_grad_norm=clip_norm, batching=sampler, ...)`` and write the loop body
+  (forward, loss, ``backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``); one pass
+  over its loader is one epoch. ``PrivateOptimizer.apply_sums`` and the torch.func
+  per-example gradients are gone from training (:mod:`.per_example` is kept as the test
+  reference implementation only).
+
+The distributed helpers (:mod:`corrnoise.torch.distributed`) are imported on demand.
 """
 
-from .optimizer import Agreement, PrivateOptimizer, check_agreement, leading_strategy, make_private, make_sampler
-from .per_example import clip_and_sum, clip_factors, clipped_gradient_sum, per_example_gradients, trainable_parameters
+from .front import DPDataLoader, DPOptimizer, choose_batching, make_private
+from .opacus_adapter import PrivacyEngine
+from .optimizer import Agreement, PrivatePlan, check_agreement, leading_strategy, make_sampler, plan_private, privacy_spent
 from .privatizer import Privatizer, privatize_sum
+from .run import PrivateRun, make_private_run
 
 __all__ = [
-    "Agreement", "PrivateOptimizer", "Privatizer", "check_agreement", "clip_and_sum", "clip_factors",
-    "clipped_gradient_sum", "leading_strategy", "make_private", "make_sampler", "per_example_gradients",
-    "privatize_sum", "trainable_parameters",
+    "Agreement", "DPDataLoader", "DPOptimizer", "PrivacyEngine", "PrivatePlan", "PrivateRun", "Privatizer",
+    "check_agreement", "choose_batching", "leading_strategy", "make_private", "make_private_run", "make_sampler",
+    "plan_private", "privacy_spent", "privatize_sum",
 ]

@@ -262,6 +262,13 @@ class DPOptimizer(torch.optim.Optimizer):
         raise CorrnoiseError("param_group", "cannot add parameters to a private optimizer: the noise and the "
                              "clipping cover the parameters given to make_private; add the group before it")
 
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Opacus's BatchMemoryManager hook: refused, since several sampled batches in one noise
+        row are outside the accounted sampling; cut batches with ``max_physical_batch_size``."""
+        if do_skip:
+            raise CorrnoiseError("signal_skip_step", "virtual steps (Opacus's BatchMemoryManager) are not supported: "
+                                 "pass max_physical_batch_size to make_private (one noise row per sampled batch)")
+
     @property
     def noise_std(self) -> float:
         return self.privatizer.noise_std
@@ -313,7 +320,12 @@ class DPOptimizer(torch.optim.Optimizer):
         if size is None:
             raise CorrnoiseError("data_loader", "step() without a batch from the private data loader: iterate the "
                                  "loader make_private returned (its batches are the accounted ones)")
-        sums, norms = self.engine.clipped_sum(size, weights=self.context.mask)
+        if size == 0:  # an empty (Poisson) batch: its clipped sum is 0, whatever backward captured
+            sums = [torch.zeros(p.shape, dtype=torch.promote_types(torch.float32, p.dtype), device=p.device)
+                    for p in self.params]
+            norms = torch.zeros(0)
+        else:
+            sums, norms = self.engine.clipped_sum(size, weights=self.context.mask)
         self.engine.clear()
         if self._sums is None:
             self._sums = list(sums)
@@ -393,6 +405,10 @@ class DPOptimizer(torch.optim.Optimizer):
         noise = dict(state["noise"])
         generator = dict(noise["generator"])
         if "seed" not in generator:
+            if not getattr(self, "noise_seed_given", True):
+                # a fresh secret seed would continue the run with other noise rows than C^-1 Z's
+                raise CorrnoiseError("noise_seed", "the checkpoint does not store the noise seed; pass the original "
+                                     "run's (its optimizer.noise_seed) to make_private to resume")
             generator["seed"] = self.privatizer.generator.seed
         elif generator["seed"] != self.privatizer.generator.seed:
             raise CorrnoiseError("noise_seed", "differs from the checkpoint's: pass the checkpoint's noise seed to "
@@ -472,7 +488,7 @@ def make_private(
     guarantee: PrivacyResult | None = None,
     epochs: float | None = None,
     steps: int | None = None,
-    batching: str = "auto",
+    batching: str | BatchSampler = "auto",
     loss_reduction: str = "mean",
     max_physical_batch_size: int | None = None,
     seed: int | None = None,
@@ -494,7 +510,9 @@ def make_private(
     calibrated for this mechanism, batching and number of steps, e.g. the planner's
     recommendation: its noise is used and ``privacy_spent()`` of the finished run returns it). Exactly one of ``epochs`` and ``steps``. ``batching``: one of
     ``auto, poisson, block-cyclic, balls-in-bins, cyclic`` (``auto``: Poisson for DP-SGD,
-    block-cyclic Poisson for banded C, balls-in-bins for other non-negative C, cyclic otherwise).
+    block-cyclic Poisson for banded C, balls-in-bins for other non-negative C, cyclic otherwise),
+    or a ready :mod:`corrnoise.sampling` sampler built for the loader's dataset (its steps, rate
+    and seed are the run's; ``epochs`` / ``steps`` may then be left out).
     ``loss_reduction``: how the user's loss reduces over the batch (``mean``, Opacus's
     convention, or ``sum``). ``max_physical_batch_size``: cut logical batches into micro-batches
     (one noise row per logical step). ``seed`` drives the sampler only; ``noise_seed`` the
@@ -528,8 +546,9 @@ def make_private(
     if not isinstance(module, torch.nn.Module):
         raise CorrnoiseError("module", f"must be a torch.nn.Module, got {type(module).__name__}")
     max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
-    if batching not in BATCHINGS:
-        raise CorrnoiseError("batching", f"must be one of {', '.join(BATCHINGS)}, got {batching!r}")
+    if not isinstance(batching, BatchSampler) and batching not in BATCHINGS:
+        raise CorrnoiseError("batching", f"must be one of {', '.join(BATCHINGS)} or a corrnoise.sampling sampler, "
+                             f"got {batching!r}")
     if max_physical_batch_size is not None:
         max_physical_batch_size = check_int("max_physical_batch_size", max_physical_batch_size, minimum=1)
     dataset, batch_size, keep, collate_fn = _loader_settings(data_loader)
@@ -575,11 +594,16 @@ def make_private(
                                                expected_batch_size=sampler.expected_batch_size, seed=noise_seed,
                                                method=noise_method)
     context = _StepContext()
-    private = DPOptimizer(optimizer, engine=engine, privatizer=privatizer, strategy=strategy,
-                          batching=agreement.batching, delta=delta, steps=agreement.steps,
-                          accounting_method=accounting_method, accounting_options=accounting_options,
-                          sampler=sampler, context=context, store_noise_seed=store_noise_seed,
-                          calibration=calibration)
+    try:
+        private = DPOptimizer(optimizer, engine=engine, privatizer=privatizer, strategy=strategy,
+                              batching=agreement.batching, delta=delta, steps=agreement.steps,
+                              accounting_method=accounting_method, accounting_options=accounting_options,
+                              sampler=sampler, context=context, store_noise_seed=store_noise_seed,
+                              calibration=calibration)
+    except Exception:
+        engine.detach()  # a refused call leaves the user's module without hooks
+        raise
+    private.noise_seed_given = noise_seed is not None
     loader = DPDataLoader(dataset, sampler, steps_per_epoch=_steps_per_epoch(sampler, epochs, len(dataset), batch_size),
                           collate_fn=collate_fn, max_physical_batch_size=max_physical_batch_size, context=context,
                           rank=rank, world_size=world_size, **keep)

@@ -1,33 +1,25 @@
-"""Private training in three lines: ``make_private`` and the :class:`PrivateOptimizer` wrapper.
+"""The plan of a private training run: :func:`plan_private`, the one gate for training.
 
-    private = make_private(model, optimizer, loss_fn, train_set, mechanism="bsr:4",
-                           epsilon=8.0, delta=1e-5, batch_size=64, epochs=10)
-    for x, y in private.data_loader:
-        private.step(x, y)
-    print(private.privacy_spent())        # PrivacyResult: epsilon, delta, noise_std, ...
+:func:`plan_private` builds or checks the sampler, builds the mechanism, checks with
+:func:`check_agreement` that the sampler that forms the batches and the accounting describe the
+same run (same scheme, same rate, the sampler's participation covered by the accounted schema),
+passes the run's :class:`~corrnoise.accounting.MechanismEvent` through the accounting gate
+(:func:`corrnoise.accounting.prepare`: steps within the mechanism, bands <= blocks, square or
+non-negative C ...) and calibrates the noise to a formal guarantee. Nothing else repeats those
+checks: the front door (:func:`corrnoise.torch.make_private`), its thin helper
+(:func:`corrnoise.torch.run.make_private_run`) and the Opacus-style
+:class:`corrnoise.torch.opacus_adapter.PrivacyEngine` all plan through it. A mismatch is one
+CorrnoiseError naming the parameter. :func:`privacy_spent` accounts what ran.
 
-Each ``step`` is one iteration of tutorial Alg. 3.1: per-example gradients, clipping to the
-clip norm, summing (:mod:`.per_example`), adding zeta * nu * (C^{-1} Z)[t] and dividing by the
-expected batch size (:mod:`.privatizer`), then the wrapped ``torch.optim`` optimizer's own
-update (SGD, momentum, Adam, ...: any first-order rule is post-processing of g_hat_t; the
-tutorial recommends the prefix-sum workload whatever the optimizer, Sec. 4.4.1).
-
-Before anything runs, :func:`check_agreement` checks that the sampler that forms the batches
-and the accounting describe the same run (same scheme, same rate, the sampler's participation
-covered by the accounted schema); what runs is then one
-:class:`~corrnoise.accounting.MechanismEvent`, and whether the accounting method may analyse it
-(steps within the mechanism, bands <= blocks, square or non-negative C ...) is decided by the one
-accounting gate, :func:`corrnoise.accounting.prepare` -- nothing here repeats those checks. A
-mismatch is one CorrnoiseError naming the parameter.
+The old ``make_private(model, optimizer, loss_fn, dataset)`` / ``PrivateOptimizer.step(x, y)``
+path (per-example gradients by torch.func) is gone; see :mod:`corrnoise.torch` for migrating.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
-
-import torch
+from typing import Any, NamedTuple
 
 from ..accounting import (
     BallsInBins,
@@ -53,11 +45,9 @@ from ..sampling import (
     PoissonSampler,
 )
 from ..strategies import Strategy, parse_strategy
-from .per_example import clipped_gradient_sum, trainable_parameters
-from .privatizer import Privatizer
 
-__all__ = ["Agreement", "check_agreement", "leading_strategy", "privacy_spent", "PrivateOptimizer", "make_private",
-           "make_sampler", "plan_private"]
+__all__ = ["Agreement", "PrivatePlan", "check_agreement", "leading_strategy", "make_sampler", "plan_private",
+           "privacy_spent"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,147 +205,7 @@ def balls_in_bins_accounted_steps(steps: int, bins: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# The optimizer wrapper
-# ----------------------------------------------------------------------------------------------
-class PrivateOptimizer:
-    """Wraps a ``torch.optim`` optimizer: ``step(inputs, targets)`` runs one private step.
-
-    Built by :func:`make_private` (or directly, with a ready :class:`Privatizer`). Attributes:
-    ``optimizer`` (the wrapped one), ``model``, ``privatizer``, ``strategy``, ``batching``,
-    ``delta``, ``steps`` (planned), ``steps_taken``, ``sampler`` / ``data_loader`` when known,
-    ``last_stats`` (non-private loss, batch count, clipped fraction of the last step).
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model: torch.nn.Module,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        privatizer: Privatizer,
-        *,
-        strategy: Strategy,
-        batching: Any,
-        delta: float,
-        steps: int,
-        accounting_method: str = "auto",
-        sampler: BatchSampler | None = None,
-        chunk_size: int | None = None,
-        accounting_options: dict[str, Any] | None = None,
-    ):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise CorrnoiseError("optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
-        self.model = model
-        self.loss_fn = loss_fn
-        self.params = list(trainable_parameters(model).values())
-        ids = {id(p) for p in self.params}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in ids:
-                    raise CorrnoiseError("optimizer", "optimizes a tensor that is not a trainable parameter of the "
-                                         "model; its gradient would not be privatized")
-        self.privatizer = privatizer
-        self.strategy = strategy
-        self.delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
-        agreement = check_agreement(strategy, sampler=sampler, batching=batching, steps=steps,
-                                    method=accounting_method, delta=self.delta)
-        self.batching = agreement.batching
-        self.accounting_method = accounting_method
-        self.accounting_options = dict(accounting_options or {})
-        self.steps = agreement.steps
-        if privatizer.steps < self.steps:
-            raise CorrnoiseError("steps", f"the noise generator has {privatizer.steps} rows for {self.steps} steps")
-        self.sampler = sampler
-        self.data_loader = None
-        self.chunk_size = chunk_size
-        self.steps_taken = 0
-        self.last_stats: dict[str, Any] = {}
-
-    # torch.optim look-alike ---------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def noise_std(self) -> float:
-        return self.privatizer.noise_std
-
-    @property
-    def clip_norm(self) -> float:
-        return self.privatizer.clip_norm
-
-    # the private step ------------------------------------------------------------------------
-    def _check_step(self) -> None:
-        if self.steps_taken >= self.steps:
-            raise CorrnoiseError(
-                "steps", f"all {self.steps} planned steps are done; the privacy guarantee covers no more "
-                "(plan more steps with make_private)")
-        if self.privatizer.step != self.steps_taken:
-            raise CorrnoiseError(
-                "steps", f"the noise generator is at row {self.privatizer.step} but this is step {self.steps_taken}; "
-                "step t must add row t (a row used twice is reused noise): use a fresh privatizer, or restore "
-                "both from one state_dict")
-
-    def apply_sums(self, sums: list[torch.Tensor]) -> None:
-        """Privatize summed clipped gradients (one per trainable parameter), write them to
-        ``.grad`` and run the wrapped optimizer's step."""
-        self._check_step()
-        noisy = self.privatizer.privatize(sums)
-        for p, g in zip(self.params, noisy):
-            p.grad = g.to(dtype=p.dtype)
-        self.optimizer.step()
-        self.steps_taken += 1
-
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> dict[str, Any]:
-        """One step of Alg. 3.1 on this batch (may be empty); returns non-private statistics."""
-        self._check_step()
-        sums, stats = clipped_gradient_sum(self.model, self.loss_fn, inputs, targets, self.clip_norm,
-                                           weights=weights, chunk_size=self.chunk_size)
-        self.apply_sums(sums)
-        self.last_stats = stats
-        return stats
-
-    # privacy ------------------------------------------------------------------------------
-    def privacy_spent(self, steps: int | None = None, **options: Any) -> PrivacyResult:
-        """(epsilon, delta) for the steps taken so far (or ``steps``), by the accounting that
-        calibrated the noise. Zero steps: epsilon 0."""
-        k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
-        return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
-                             planned_steps=self.steps, method=self.accounting_method, **{**self.accounting_options, **options})
-
-    def _sampler_state(self) -> dict[str, Any] | None:
-        return None if self.sampler is None else {"seed": int(self.sampler.seed), **self.sampler.describe()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer, privatizer (noise seed and step) and sampler (seed and description) state:
-        as private as the data (the seeds rebuild the noise and the batches)."""
-        return {"optimizer": self.optimizer.state_dict(), "privatizer": self.privatizer.state_dict(),
-                "steps_taken": self.steps_taken, "sampler": self._sampler_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`. The sampler must be the one the checkpoint's batches
-        came from (same seed and description): a block split, shuffle or bin assignment drawn
-        anew would put examples in steps the accounting's schema does not allow."""
-        mine, saved = self._sampler_state(), state.get("sampler")
-        if mine is not None and saved != mine:
-            if saved is None:
-                raise CorrnoiseError("sampler", "the checkpoint records no sampler; its batches cannot be "
-                                     "continued safely")
-            diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-            raise CorrnoiseError("sampler", f"this sampler differs from the checkpoint's in {', '.join(diff)}; "
-                                 "rebuild it with the checkpoint's (state['sampler']['seed'] as the seed)")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.privatizer.load_state_dict(state["privatizer"])
-        self.steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
-        if self.sampler is not None:
-            self.sampler.start_step = self.steps_taken
-
-
-# ----------------------------------------------------------------------------------------------
-# make_private
+# The plan: sampler, mechanism, agreement, noise
 # ----------------------------------------------------------------------------------------------
 SAMPLINGS = ("auto", "poisson", "block-cyclic", "cyclic", "balls-in-bins")
 
@@ -410,34 +260,6 @@ def make_sampler(
     return BallsInBinsSampler(n_ex, min(bins, steps), steps, batch_size=b, seed=seed)
 
 
-class _SafeCollate:
-    """default_collate, except that an empty batch (Poisson sampling) becomes tensors with a
-    leading dimension 0 shaped like the dataset's items."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        self.template = None
-
-    def __call__(self, batch):
-        from torch.utils.data import default_collate
-
-        if len(batch):
-            return default_collate(batch)
-        if self.template is None:
-            self.template = default_collate([self.dataset[0]])
-        return _empty_like(self.template)
-
-
-def _empty_like(value):
-    if isinstance(value, torch.Tensor):
-        return value[:0]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_empty_like(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _empty_like(v) for k, v in value.items()}
-    return value
-
-
 def plan_private(
     dataset=None,
     *,
@@ -453,9 +275,12 @@ def plan_private(
     seed: int | None = None,
     accounting_method: str = "auto",
     accounting_options: dict[str, Any] | None = None,
-) -> tuple[Strategy, BatchSampler, Agreement, float]:
-    """(strategy, sampler, agreement, noise_std): the checked plan behind :func:`make_private`
-    (and the Opacus adapter). Arguments as for :func:`make_private`."""
+) -> "PrivatePlan":
+    """The checked :class:`PrivatePlan` behind :func:`corrnoise.torch.make_private` (and the
+    helpers over it). ``sampler``: a ready corrnoise sampler or a name of :func:`make_sampler`;
+    exactly one of ``epsilon`` (calibrated to a formal guarantee), ``noise_std`` and
+    ``noise_multiplier``; ``accounting_options`` asking for an estimate or a lower bound are
+    refused."""
     if sum(v is not None for v in (epsilon, noise_std, noise_multiplier)) != 1:
         raise CorrnoiseError("epsilon", "give exactly one of epsilon, noise_std and noise_multiplier")
     num_examples = None
@@ -525,66 +350,3 @@ def refuse_non_guarantees(accounting_options: dict[str, Any] | None) -> None:
         if (accounting_options or {}).get(name):
             raise CorrnoiseError(name, f"training needs a formal (epsilon, delta) guarantee; accounting option "
                                  f"{name}=True would give none (drop it)")
-
-
-def make_private(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    dataset=None,
-    *,
-    mechanism: str | Strategy = "identity",
-    delta: float,
-    epsilon: float | None = None,
-    noise_std: float | None = None,
-    noise_multiplier: float | None = None,
-    batch_size: int | None = None,
-    epochs: float | None = None,
-    steps: int | None = None,
-    sampler: BatchSampler | str = "auto",
-    clip_norm: float = 1.0,
-    seed: int | None = None,
-    noise_seed: int | None = None,
-    accounting_method: str = "auto",
-    noise_method: str = "auto",
-    num_workers: int = 0,
-    chunk_size: int | None = None,
-    accounting_options: dict[str, Any] | None = None,
-) -> PrivateOptimizer:
-    """Privatize an existing training loop.
-
-    ``mechanism``: a :class:`Strategy` or a name (``identity``, ``bsr:4``, ``dpcgd:0.5``,
-    ``blt:...``, a mechanism file ...; built for the number of steps). The noise is calibrated
-    for ``epsilon`` (with ``delta``) under the sampler's batching, or given as ``noise_std``
-    (nu) or ``noise_multiplier`` (sigma = nu / ||C||_col). ``sampler`` is a ready
-    :mod:`corrnoise.sampling` sampler or one of ``auto, poisson, block-cyclic, cyclic,
-    balls-in-bins`` built from ``batch_size`` and ``epochs`` / ``steps``. With a ``dataset``
-    the result has a ``data_loader`` yielding the sampler's batches (possibly empty); with a
-    fixed-size balls-in-bins sampler it yields ``((x, y), w)`` with weight 0 for padding entries:
-    call ``step(x, y, weights=w)`` (seed 000 App. I: always B entries, always divided by B).
-    ``accounting_options`` go to the accounting method for calibration and ``privacy_spent``
-    (e.g. ``{"discretization": 1e-3}`` for a coarser, still pessimistic, PLD grid).
-    ``seed`` drives the sampler only. ``noise_seed`` drives the noise: leave it None (a secret
-    seed from the OS) for any real release -- whoever knows it can regenerate and subtract the
-    noise; set it only for reproducible experiments and tests.
-    """
-    strategy, sampler, agreement, nu, _ = plan_private(
-        dataset, mechanism=mechanism, delta=delta, epsilon=epsilon, noise_std=noise_std,
-        noise_multiplier=noise_multiplier, batch_size=batch_size, epochs=epochs, steps=steps, sampler=sampler,
-        seed=seed, accounting_method=accounting_method, accounting_options=accounting_options)
-    run_steps = agreement.steps
-    params = list(trainable_parameters(model).values())
-    privatizer = Privatizer.for_parameters(strategy, params, noise_std=nu, clip_norm=clip_norm,
-                                           expected_batch_size=sampler.expected_batch_size, seed=noise_seed,
-                                           method=noise_method)
-    private = PrivateOptimizer(optimizer, model, loss_fn, privatizer, strategy=strategy, batching=agreement.batching,
-                               delta=delta, steps=run_steps, accounting_method=accounting_method, sampler=sampler,
-                               chunk_size=chunk_size, accounting_options=accounting_options)
-    if dataset is not None:
-        from torch.utils.data import DataLoader
-
-        if isinstance(sampler, BallsInBinsSampler) and sampler.batch_size is not None:
-            dataset = sampler.wrap_dataset(dataset)  # padding entries -> (item, weight 0), seed 000 App. I
-        private.data_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_SafeCollate(dataset),
-                                         num_workers=num_workers)
-    return private

@@ -1,4 +1,6 @@
-"""Per-example gradients with torch.func, clipping and summing (tutorial Alg. 3.1, line 5).
+"""Per-example gradients with torch.func, clipping and summing (tutorial Alg. 3.1, line 5):
+the REFERENCE implementation the tests compare the clipping engine with. Training never calls
+it (it materializes B x #params); the training path is :mod:`corrnoise.torch.clipping`.
 
 For a batch of examples x_1..x_B the private gradient needs every example's own gradient
 g_i = grad_theta loss(theta; x_i), clipped to norm zeta (the clip norm),
