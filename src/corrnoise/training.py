@@ -194,25 +194,21 @@ def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epoc
                      delta: float, pipeline: str, progress=None) -> dict[str, Any]:
     """What to train: ``{"mechanism", "batching", "steps" | "epochs", "noise", "label", "candidates"}``.
 
-    ``auto`` and the planner's families (:data:`corrnoise.planner.FAMILIES`) go to the planner,
-    which returns the mechanism, its batching for the pipeline and the guarantee its noise was
-    calibrated to (verified where it is Monte Carlo); an explicit name is trained as named and
-    calibrated by the front door for ``epsilon``.
+    ``auto`` and the planner's families go to the front door's planner step
+    (:func:`corrnoise.torch.front.plan_mechanism`), which returns the mechanism, its batching for
+    the pipeline and the guarantee its noise was calibrated to (verified where it is Monte Carlo);
+    an explicit name is trained as named and calibrated by the front door for ``epsilon``.
     """
+    from .torch.front import _is_planned, plan_mechanism
+
+    if _is_planned(mechanism):
+        strategy, batching, steps, guarantee, planned = plan_mechanism(
+            mechanism, pipeline, num_examples=num_examples, batch_size=batch_size, epochs=epochs, steps=None,
+            epsilon=epsilon, delta=delta, progress=progress)
+        return {"mechanism": strategy, "batching": batching, "label": mechanism if mechanism != "auto" else
+                strategy.label, "noise": {"guarantee": guarantee}, "steps": steps,
+                "candidates": [c.to_dict() for c in planned.candidates]}
     from .planner import FAMILIES as PLANNED
-
-    if mechanism == "auto" or mechanism in PLANNED:
-        from .planner import plan
-
-        if not float(epochs).is_integer():
-            raise CorrnoiseError("epochs", f"the planner plans whole epochs, got {epochs:g}")
-        result = plan(dataset_size=num_examples, batch_size=batch_size, epochs=int(epochs), epsilon=epsilon,
-                      delta=delta, pipeline=pipeline, only=None if mechanism == "auto" else (mechanism,),
-                      progress=progress)
-        rec = result.recommended
-        return {"mechanism": rec.strategy, "batching": _sampler_batching(rec.batching), "label": rec.mechanism,
-                "noise": {"guarantee": rec.result}, "steps": result.setup.n,
-                "candidates": [c.to_dict() for c in result.candidates]}
     from .strategies import parse_strategy
 
     try:

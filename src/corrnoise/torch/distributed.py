@@ -219,3 +219,54 @@ class DistributedPrivatizer(Privatizer):
         """All-reduce the clipped sums first, then add the one noise row (identical on every
         rank, generated in shards and gathered) and divide by the global expected batch size."""
         return super().privatize(self.all_reduce(sums))
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallel (torch.distributed)
+# ----------------------------------------------------------------------------------------------
+def _data_parallel(module: torch.nn.Module, distributed: bool | None):
+    """(on, process group, module to hook) for ``distributed`` (see :func:`make_private`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    is_ddp = isinstance(module, DistributedDataParallel)
+    initialized = dist.is_available() and dist.is_initialized()
+    if distributed is None:
+        distributed = is_ddp or initialized
+    if not distributed:
+        if is_ddp:
+            raise CorrnoiseError("distributed", "is False but the module is DistributedDataParallel: DDP averages "
+                                 "the ranks' gradients, so each rank's sampler, noise and accounting would not be "
+                                 "what is released; pass the inner module (module.module) instead")
+        return False, None, module
+    if not initialized:
+        raise CorrnoiseError("distributed", "torch.distributed is not initialized (call init_process_group first)")
+    if not is_ddp:
+        return True, None, module
+    if getattr(module, "_delay_all_reduce_all_params", False) or getattr(module, "_delay_all_reduce_params", None):
+        raise CorrnoiseError("module", "DistributedDataParallel with delayed all-reduce parameters all-reduces "
+                             "unclipped gradients even under no_sync(); build DDP without them")
+    # every step overwrites .grad with the privatized sum: DDP's all-reduce of unclipped gradients
+    # is wasted work, and ranks with different numbers of micro-batches would issue different
+    # numbers of collectives. no_sync() does exactly this, for good here.
+    module.require_backward_grad_sync = False
+    return True, getattr(module, "process_group", None), module.module
+
+
+def _global_rank0(group) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _shared_sampler_seed(seed: int | None, group) -> int:
+    """The sampler seed of rank 0 on every rank (``seed`` checked equal where given, else drawn
+    on rank 0): one global sampler, so every rank forms the same, accounted, batches."""
+    from ..sampling import _SEED_MAX
+
+    value = broadcast_seed(seed, group)
+    return value if seed is not None else value & _SEED_MAX
+
+
+@torch.no_grad()
+def _broadcast_module(module: torch.nn.Module, group) -> None:
+    """Rank 0's parameters and buffers on every rank."""
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(t.data, src=_global_rank0(group), group=group)

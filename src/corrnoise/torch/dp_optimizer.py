@@ -1,0 +1,257 @@
+"""The private optimizer: a :class:`torch.optim.Optimizer` that privatizes the wrapped one's steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..accounting import PrivacyResult
+from ..errors import CorrnoiseError, check_int
+from ..sampling import BatchSampler
+from ..strategies import Strategy
+from .loader import _StepContext
+from .optimizer import balls_in_bins_accounted_steps, privacy_spent
+from .privatizer import Privatizer
+
+__all__ = ["DPOptimizer"]
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """A :class:`torch.optim.Optimizer` that privatizes the wrapped optimizer's steps.
+
+    It shares ``param_groups`` and ``state`` with the wrapped optimizer (so LR schedulers and
+    checkpoints see one optimizer). ``step()``: the engine's clipped per-example sum over every
+    micro-batch since the last step, + max_grad_norm * noise_std * (C^-1 Z)[t], / expected batch
+    size, into ``.grad``; then the wrapped optimizer's update. Attributes: ``original`` (the
+    wrapped optimizer), ``strategy``, ``batching``, ``delta``, ``steps`` (planned),
+    ``steps_taken``, ``noise_std``, ``noise_multiplier``, ``expected_batch_size``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, engine, privatizer: Privatizer, strategy: Strategy,
+                 batching: Any, delta: float, steps: int, accounting_method: str = "auto",
+                 accounting_options: dict[str, Any] | None = None, sampler: BatchSampler | None = None,
+                 context: _StepContext | None = None, store_noise_seed: bool = False,
+                 calibration: PrivacyResult | None = None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise CorrnoiseError("optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DPOptimizer):
+            raise CorrnoiseError("optimizer", "is already private (make_private was called on it before)")
+        # Optimizer.__init__ appends the very dicts of ``param_groups``: the groups are shared.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.state = optimizer.state
+        self.original = optimizer
+        self.engine = engine
+        self.params = list(engine.parameters)
+        ids = {id(p) for p in self.params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in ids:
+                    raise CorrnoiseError("optimizer", "optimizes a tensor that is not a trainable parameter of the "
+                                         "module; its gradient would not be privatized")
+        self.privatizer = privatizer
+        self.strategy = strategy
+        self.batching = batching
+        self.delta = delta
+        self.steps = steps
+        self.accounting_method = accounting_method
+        self.accounting_options = dict(accounting_options or {})
+        self.sampler = sampler
+        self.context = context or _StepContext()
+        self.store_noise_seed = bool(store_noise_seed)
+        self.calibration = calibration
+        self.steps_taken = 0
+        self.last_stats: dict[str, Any] = {}
+        self._sums: list[torch.Tensor] | None = None
+        self._count = 0
+        self._clipped = 0
+
+    # --- torch.optim surface ------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "original", None) is None:  # Optimizer.__init__ registering the shared groups
+            return super().add_param_group(param_group)
+        raise CorrnoiseError("param_group", "cannot add parameters to a private optimizer: the noise and the "
+                             "clipping cover the parameters given to make_private; add the group before it")
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Opacus's BatchMemoryManager hook: refused, since several sampled batches in one noise
+        row are outside the accounted sampling; cut batches with ``max_physical_batch_size``."""
+        if do_skip:
+            raise CorrnoiseError("signal_skip_step", "virtual steps (Opacus's BatchMemoryManager) are not supported: "
+                                 "pass max_physical_batch_size to make_private (one noise row per sampled batch)")
+
+    @property
+    def noise_std(self) -> float:
+        return self.privatizer.noise_std
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.privatizer.clip_norm
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.privatizer.expected_batch_size
+
+    @property
+    def noise_multiplier(self) -> float:
+        from ..accounting import column_norm
+
+        return self.noise_std / column_norm(self.strategy)
+
+    @property
+    def noise_seed(self) -> int:
+        """The secret noise seed: whoever knows it can remove the noise. Needed to resume from a
+        checkpoint saved without it."""
+        return self.privatizer.generator.seed
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``.grad`` and any captured forward/backward the next step would otherwise use."""
+        self.original.zero_grad(set_to_none=set_to_none)
+        self.engine.clear()
+
+    def _check_step(self) -> None:
+        current = self.context.current_step
+        if current is not None and current != self.steps_taken:
+            raise CorrnoiseError(
+                "data_loader", f"the batch in hand was sampled for step {current} but this is step "
+                f"{self.steps_taken}: take one optimizer step per batch of the private data loader (a batch "
+                "used at another step is outside the accounted sampling schema)")
+        if self.steps_taken >= self.steps:
+            raise CorrnoiseError(
+                "steps", f"all {self.steps} planned steps are done; the privacy guarantee covers no more "
+                "(plan more steps with make_private)")
+        if self.privatizer.step != self.steps_taken:
+            raise CorrnoiseError(
+                "steps", f"the noise generator is at row {self.privatizer.step} but this is step {self.steps_taken}; "
+                "step t must add row t (a row used twice is reused noise)")
+
+    def _accumulate(self) -> None:
+        """Add the clipped per-example sum of the micro-batch just back-propagated to the step's sum."""
+        size = self.context.size
+        if size is None:
+            raise CorrnoiseError("data_loader", "step() without a batch from the private data loader: iterate the "
+                                 "loader make_private returned (its batches are the accounted ones)")
+        if size == 0:  # an empty (Poisson) batch: its clipped sum is 0, whatever backward captured
+            sums = [torch.zeros(p.shape, dtype=torch.promote_types(torch.float32, p.dtype), device=p.device)
+                    for p in self.params]
+            norms = torch.zeros(0)
+        else:
+            sums, norms = self.engine.clipped_sum(size, weights=self.context.mask)
+        self.engine.clear()
+        if self._sums is None:
+            self._sums = list(sums)
+        else:
+            for acc, s in zip(self._sums, sums):
+                acc.add_(s)
+        real = self.context.mask.sum() if self.context.mask is not None else size
+        self._count += int(real)
+        self._clipped += int((norms > self.max_grad_norm).sum()) if norms.numel() else 0
+        self.context.size = None
+        self.context.mask = None
+
+    def step(self, closure=None):
+        """One private step, or -- mid logical batch (``max_physical_batch_size``) -- the clipped sum
+        of this micro-batch kept for the step that ends the logical batch."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_step()
+        self._accumulate()
+        if self.context.more_micro_batches:
+            return loss
+        with torch.no_grad():
+            noisy = self.privatizer.privatize(self._sums)
+            for p, g in zip(self.params, noisy):
+                p.grad = g.to(dtype=p.dtype)
+            self.original.step()
+        count, clipped = self._count, self._clipped
+        global_counts = getattr(self.privatizer, "all_reduce_counts", None)  # data parallel: the global batch
+        if global_counts is not None:
+            count, clipped = global_counts(count, clipped)
+        self.last_stats = {"count": count, "clipped": clipped}
+        self._sums, self._count, self._clipped = None, 0, 0
+        self.context.clear_batch()
+        self.context.current_step = None
+        self.steps_taken += 1
+        self.context.next_step = self.steps_taken
+        return loss
+
+    # --- privacy -----------------------------------------------------------------------------
+    def privacy_spent(self, steps: int | None = None, **options: Any) -> PrivacyResult:
+        """(epsilon, delta) of the steps taken so far (or ``steps``) by the accounting that
+        calibrated the noise (a guarantee). Zero steps: epsilon 0."""
+        k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
+        if self.calibration is not None and not options and _accounted_steps(self.batching, k) == self.steps:
+            # the run the noise was calibrated for: its guarantee (a Monte Carlo one was verified on
+            # a fresh sample; accounting it again would draw new samples and a slightly other epsilon)
+            return self.calibration.with_extras(steps=int(k), accounted_steps=int(self.steps))
+        return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
+                             planned_steps=self.steps, method=self.accounting_method,
+                             **{**self.accounting_options, **options})
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def _sampler_state(self) -> dict[str, Any] | None:
+        return None if self.sampler is None else {"seed": int(self.sampler.seed), **self.sampler.describe()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, the noise stream's position and the sampler's identity.
+        The noise seed is left out unless ``store_noise_seed`` was asked for (then the
+        checkpoint is as secret as the seed: whoever reads it can remove the noise)."""
+        noise = self.privatizer.state_dict()
+        if not self.store_noise_seed:
+            noise = {**noise, "generator": {k: v for k, v in noise["generator"].items() if k != "seed"}}
+        return {"corrnoise": 1, "original": self.original.state_dict(), "noise": noise,
+                "steps_taken": self.steps_taken, "sampler": self._sampler_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: same sampler (seed and description), same noise seed
+        (stored in the checkpoint, or passed again to make_private as ``noise_seed``)."""
+        if not isinstance(state, dict) or state.get("corrnoise") != 1:
+            raise CorrnoiseError("state", "not a checkpoint of a corrnoise DPOptimizer")
+        mine, saved = self._sampler_state(), state.get("sampler")
+        if mine != saved:
+            diff = sorted(k for k in set(saved or {}) | set(mine or {}) if (saved or {}).get(k) != (mine or {}).get(k))
+            raise CorrnoiseError("sampler", f"this run's sampler differs from the checkpoint's in {', '.join(diff)}; "
+                                 "rebuild it with the checkpoint's seed (state['sampler']['seed'])")
+        noise = dict(state["noise"])
+        generator = dict(noise["generator"])
+        if "seed" not in generator:
+            if not getattr(self, "noise_seed_given", True):
+                # a fresh secret seed would continue the run with other noise rows than C^-1 Z's
+                raise CorrnoiseError("noise_seed", "the checkpoint does not store the noise seed; pass the original "
+                                     "run's (its optimizer.noise_seed) to make_private to resume")
+            generator["seed"] = self.privatizer.generator.seed
+        elif generator["seed"] != self.privatizer.generator.seed:
+            raise CorrnoiseError("noise_seed", "differs from the checkpoint's: pass the checkpoint's noise seed to "
+                                 "make_private (a fresh seed would restart the noise stream mid-run)")
+        noise["generator"] = generator
+        steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
+        self.original.load_state_dict(state["original"])
+        self.privatizer.load_state_dict(noise)
+        self.steps_taken = steps_taken
+        self.context.next_step = steps_taken
+        self.context.current_step = None
+
+
+def _matching_guarantee(guarantee: PrivacyResult, agreement, delta: float) -> PrivacyResult:
+    """``guarantee`` if it is the accounting of exactly this run (mechanism, steps, batching,
+    delta), else a one-line error naming what differs."""
+    event = agreement.event
+    mine = {"mechanism": event.mechanism.label, "n": int(event.mechanism.n), "batching": agreement.batching.spec}
+    for key, value in mine.items():
+        theirs = guarantee.extras.get(key)
+        if theirs != value:
+            raise CorrnoiseError("guarantee", f"was computed for {key} = {theirs!r}, this run has {value!r}")
+    if guarantee.delta > delta:
+        raise CorrnoiseError("guarantee", f"has delta {guarantee.delta:g} > the run's delta {delta:g}")
+    return guarantee
+
+
+def _accounted_steps(batching, steps: int) -> int:
+    """The steps :func:`corrnoise.torch.optimizer.privacy_spent` analyses after ``steps`` steps."""
+    from ..accounting import BallsInBins
+
+    if isinstance(batching, BallsInBins):
+        return balls_in_bins_accounted_steps(steps, batching.bins)
+    return steps

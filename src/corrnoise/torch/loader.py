@@ -1,0 +1,244 @@
+"""The private data loader: the batches a corrnoise sampler draws, as the user's DataLoader would.
+
+:class:`DPDataLoader` yields the batches of a sampler (Poisson, block-cyclic Poisson,
+balls-in-bins, cyclic) from the user's dataset, collate function and workers, so the batches are
+the ones the accounting analyses. With ``max_physical_batch_size`` it cuts each sampled (logical)
+batch into micro-batches and tells the optimizer where a logical batch ends (one noise row per
+logical step). Padding entries of fixed-size balls-in-bins batches (seed 000 App. I) are real
+items whose contribution the optimizer masks to zero. In data-parallel runs every rank draws the
+same global batch and yields its own share (:func:`.distributed.local_batch`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..errors import CorrnoiseError, check_int, check_real
+from ..sampling import BallsInBinsSampler, BatchSampler
+from ..strategies import Strategy
+
+__all__ = ["DPDataLoader", "BATCHINGS", "choose_batching"]
+
+#: ``batching=`` values: ``auto`` lets the mechanism decide (see :func:`choose_batching`).
+BATCHINGS = ("auto", "poisson", "block-cyclic", "balls-in-bins", "cyclic")
+
+
+class _StepContext:
+    """What the loader and the optimizer share: the next step to take (the optimizer's
+    ``steps_taken``), the logical step of the micro-batch the user's loop is on, whether more
+    micro-batches of it follow, and which entries are padding."""
+
+    def __init__(self) -> None:
+        self.next_step = 0
+        self.current_step: int | None = None
+        self.more_micro_batches = False
+        self.size: int | None = None
+        self.mask: torch.Tensor | None = None
+
+    def clear_batch(self) -> None:
+        self.more_micro_batches = False
+        self.size = None
+        self.mask = None
+
+
+class _Collate:
+    """The user's collate function, except that an empty batch (Poisson sampling) becomes the
+    collation of one item cut to length 0 (every tensor gets a leading dimension 0)."""
+
+    def __init__(self, dataset, collate_fn):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.template = None
+
+    def __call__(self, items):
+        if len(items):
+            return self.collate_fn(items)
+        if self.template is None:
+            self.template = self.collate_fn([self.dataset[0]])
+        return _empty_like(self.template)
+
+
+def _empty_like(value):
+    if isinstance(value, torch.Tensor):
+        return value[:0]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_empty_like(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _empty_like(v) for k, v in value.items()}
+    return value
+
+
+class _PaddedItems:
+    """Dataset view in which index N + j is item j again (a padding entry of a fixed-size
+    balls-in-bins batch, seed 000 App. I); the optimizer gives it weight 0."""
+
+    def __init__(self, dataset, num_examples: int):
+        self.dataset, self.num_examples = dataset, num_examples
+
+    def __len__(self) -> int:
+        return 2 * self.num_examples
+
+    def __getitem__(self, index):
+        index = int(index)
+        return self.dataset[index - self.num_examples if index >= self.num_examples else index]
+
+
+class _MicroBatches:
+    """Batch sampler over steps [start, stop) of a corrnoise sampler, each logical batch cut
+    into micro-batches of at most ``size`` entries (an empty batch stays one empty micro-batch).
+    With ``world_size > 1`` only this rank's share of each logical batch (:func:`.distributed.local_batch`)."""
+
+    def __init__(self, sampler: BatchSampler, size: int | None, rank: int = 0, world_size: int = 1):
+        self.sampler, self.size = sampler, size
+        self.rank, self.world_size = rank, world_size
+        self.start, self.stop = 0, sampler.steps
+
+    def cuts(self) -> Iterator[tuple[int, list[int], bool]]:
+        """(step, indices, last micro-batch of the step) in order."""
+        from .distributed import local_batch
+
+        for t in range(self.start, self.stop):
+            batch = list(self.sampler.batch(t))
+            if self.world_size > 1:
+                batch = local_batch(batch, self.rank, self.world_size)
+            if self.size is None or len(batch) <= self.size:
+                yield t, batch, True
+                continue
+            for lo in range(0, len(batch), self.size):
+                yield t, batch[lo: lo + self.size], lo + self.size >= len(batch)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.cuts())
+
+    def __iter__(self):
+        for _, batch, _ in self.cuts():
+            yield batch
+
+
+class DPDataLoader(DataLoader):
+    """A DataLoader over the batches of a corrnoise sampler (see the module docstring).
+
+    One pass (``for batch in loader``) yields the next epoch of steps (``steps_per_epoch``
+    logical batches, fewer at the end of the run), starting at the optimizer's next step, so
+    ``for epoch in range(epochs): for batch in loader:`` takes exactly the planned steps and a
+    resumed run continues where its checkpoint stopped. Iterating keeps the optimizer informed
+    (micro-batch ends, padding masks); it yields exactly what the user's collate function makes
+    of the items, nothing added.
+
+    Data parallel (``world_size > 1``): every rank holds the same sampler (same seed), so every
+    rank forms the same global -- accounted -- batch and yields only its ``rank``-th share
+    (every ``world_size``-th index); the shares partition the batch. A share may be empty.
+    """
+
+    def __init__(self, dataset, sampler: BatchSampler, *, steps_per_epoch: int, collate_fn=None,
+                 max_physical_batch_size=None, context: _StepContext | None = None, rank: int = 0,
+                 world_size: int = 1, **loader_kwargs):
+        from torch.utils.data import default_collate
+
+        self.corrnoise_sampler = sampler
+        self.steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        self.context = context or _StepContext()
+        self.max_physical_batch_size = max_physical_batch_size
+        self._padded = isinstance(sampler, BallsInBinsSampler) and sampler.batch_size is not None
+        items = _PaddedItems(dataset, sampler.num_examples) if self._padded else dataset
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
+        self._cutter = _MicroBatches(sampler, max_physical_batch_size, self.rank, self.world_size)
+        super().__init__(items, batch_sampler=self._cutter,
+                         collate_fn=_Collate(dataset, collate_fn or default_collate), **loader_kwargs)
+
+    def _window(self) -> None:
+        start = self.context.next_step
+        self._cutter.start = start
+        self._cutter.stop = min(start + self.steps_per_epoch, self.corrnoise_sampler.steps)
+
+    def __len__(self) -> int:
+        self._window()
+        return len(self._cutter)
+
+    def __iter__(self):
+        self._window()
+        num = self.corrnoise_sampler.num_examples
+        cuts = self._cutter.cuts()
+        for (t, indices, last), batch in zip(cuts, super().__iter__()):
+            if self.context.current_step != t:
+                self.context.clear_batch()
+                self.context.current_step = t
+            self.context.size = len(indices)
+            self.context.mask = torch.tensor([0.0 if i >= num else 1.0 for i in indices]) if self._padded else None
+            self.context.more_micro_batches = not last
+            yield batch
+
+
+def _loader_settings(data_loader) -> tuple[Any, int, dict[str, Any], Any]:
+    """(dataset, batch size, DataLoader keyword arguments to keep, collate_fn) of the user's loader."""
+    if not isinstance(data_loader, DataLoader):
+        raise CorrnoiseError("data_loader", f"must be a torch DataLoader, got {type(data_loader).__name__}")
+    dataset = data_loader.dataset
+    try:
+        len(dataset)
+    except TypeError:
+        raise CorrnoiseError("data_loader", "needs a map-style dataset with a length (sampling needs indices)") from None
+    batch_size = data_loader.batch_size
+    if batch_size is None:
+        sampler = data_loader.batch_sampler
+        batch_size = getattr(sampler, "batch_size", None)
+    if batch_size is None:
+        raise CorrnoiseError("data_loader", "has no batch_size to take as the expected batch size; build it with "
+                             "DataLoader(dataset, batch_size=B)")
+    keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
+                                                  "multiprocessing_context", "generator", "persistent_workers")}
+    keep = {k: v for k, v in keep.items() if v is not None}
+    if not keep.get("num_workers"):
+        keep.pop("persistent_workers", None)
+    if keep.get("num_workers") and getattr(data_loader, "prefetch_factor", None) is not None:
+        keep["prefetch_factor"] = data_loader.prefetch_factor
+    return dataset, int(batch_size), keep, data_loader.collate_fn
+
+
+def _steps_per_epoch(sampler: BatchSampler, epochs, num_examples: int, batch_size: int) -> int:
+    """Logical batches per pass over the private loader: the run's steps / epochs when epochs
+    were given, else a natural epoch (balls-in-bins: its bins; otherwise N / B)."""
+    if epochs is not None:
+        return max(1, math.ceil(sampler.steps / float(epochs) - 1e-9))
+    if isinstance(sampler, BallsInBinsSampler):
+        return sampler.bins
+    return max(1, round(num_examples / batch_size))
+
+
+def choose_batching(strategy: Strategy, num_examples: int, batch_size: int) -> str:
+    """``batching="auto"``: the amplified batching whose analysis suits C (issue #10 item 3).
+
+    DP-SGD (one band): Poisson sampling (PLD). A banded C whose bands fit as blocks
+    (bands * batch_size <= N): block-cyclic Poisson (tutorial Thm 3.21). Any other
+    non-negative C (BLT, DP-CGD, Toeplitz, dense): balls-in-bins with the verified Monte
+    Carlo guarantee (seed 000). Otherwise fixed batches in cyclic order, unamplified.
+    """
+    bands = min(int(strategy.bands), strategy.n)
+    if bands <= 1:
+        return "poisson"
+    if bands * batch_size <= num_examples and bands < strategy.n:
+        return "block-cyclic"
+    if strategy.rows == strategy.n and strategy.is_nonnegative():
+        return "balls-in-bins"
+    return "cyclic"
+
+
+def _sampling_for(batching: str, mechanism, num_examples: int, batch_size: int, epochs, steps) -> str:
+    """The sampler name of :func:`corrnoise.torch.optimizer.make_sampler` for ``batching``."""
+    if batching != "auto":
+        return batching
+    from ..strategies import parse_strategy
+
+    if isinstance(mechanism, Strategy):
+        probe = mechanism
+    else:
+        n = steps if steps is not None else max(1, int(round(
+            check_real("epochs", epochs if epochs is not None else math.nan, low=0.0, low_open=True)
+            * num_examples / batch_size)))
+        probe = parse_strategy(mechanism, n)
+    return choose_batching(probe, num_examples, batch_size)
