@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .errors import CorrnoiseError, check_int, check_real
 
-__all__ = ["train", "PIPELINES", "resolve_device"]
+__all__ = ["train", "PIPELINES", "resolve_device", "plot_history"]
 
 #: the data pipelines a user may have (``--batching``)
 PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
@@ -69,6 +69,7 @@ def train(
     data_options: dict[str, Any] | None = None,
     max_physical_batch_size: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    plan_plot: str | None = None,
 ) -> dict[str, Any]:
     """Plan, calibrate, train and evaluate; returns the ``corrnoise train`` JSON object.
 
@@ -77,7 +78,9 @@ def train(
     mechanism name or file (``bsr:4``, ``dpcgd:0.9``, ``plan/recommended.json``: trained with
     ``batching`` as given, ``auto`` letting the front door choose). Hyperparameters left None
     take the dataset's defaults. ``seed`` fixes the data order and the model initialization;
-    the noise seed is secret (from the OS) unless ``noise_seed`` is given.
+    the noise seed is secret (from the OS) unless ``noise_seed`` is given. ``plan_plot``: a .png
+    path for the planner's picture (error vs epsilon, the chosen C) when the planner chose.
+    The result's ``history`` is the test accuracy after every pass over the data.
     """
     import torch
     from torch.utils.data import DataLoader
@@ -113,6 +116,10 @@ def train(
 
     choice = choose_mechanism(mechanism, num_examples=n_ex, batch_size=batch, epochs=epochs, epsilon=epsilon,
                               delta=delta, pipeline=batching, progress=progress)
+    if plan_plot is not None and choice.get("plan") is not None:
+        from .planner.plot import plot_plan
+
+        plot_plan(choice["plan"], plan_plot)
     planned = time.perf_counter()
 
     torch.manual_seed(seed)
@@ -129,8 +136,9 @@ def train(
         **length, **choice["noise"])
     criterion = torch.nn.CrossEntropyLoss()
     loss_sum, loss_count, done = 0.0, 0, 0
-    model.train()
+    history = []
     while opt.steps_taken < opt.steps:
+        model.train()
         for x, y in loader:
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             loss = criterion(model(x), y)
@@ -143,6 +151,9 @@ def train(
             done += 1
             if progress is not None:
                 progress("training", opt.steps_taken, opt.steps)
+        model.eval()
+        with torch.no_grad():
+            history.append((opt.steps_taken, _accuracy(model, xte, yte, dev)))
     trained = time.perf_counter()
 
     spent = opt.privacy_spent()
@@ -178,6 +189,7 @@ def train(
         "seconds_planning": planned - start,
         "seconds_training": trained - planned,
         "seconds": time.perf_counter() - start,
+        "history": history,
         "candidates": choice.get("candidates", []),
     }
 
@@ -206,7 +218,7 @@ def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epoc
             mechanism, pipeline, num_examples=num_examples, batch_size=batch_size, epochs=epochs, steps=None,
             epsilon=epsilon, delta=delta, progress=progress)
         return {"mechanism": strategy, "batching": batching, "label": mechanism if mechanism != "auto" else
-                strategy.label, "noise": {"guarantee": guarantee}, "steps": steps,
+                strategy.label, "noise": {"guarantee": guarantee}, "steps": steps, "plan": planned,
                 "candidates": [c.to_dict() for c in planned.candidates]}
     from .planner import FAMILIES as PLANNED
     from .strategies import parse_strategy
@@ -225,3 +237,30 @@ def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epoc
             batching = "poisson"  # any other C: Poisson with the accounting that suits it (MMCC)
     return {"mechanism": mechanism, "batching": batching, "label": mechanism, "noise": {"epsilon": epsilon},
             "epochs": epochs}
+
+
+def plot_history(results: list[dict[str, Any]], path: str, title: str) -> str:
+    """One PNG: test accuracy after every epoch of each run (``train`` results), labelled with the
+    mechanism, its batching and the privacy it reports."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for res in results:
+        steps, acc = zip(*res["history"]) if res["history"] else ((), ())
+        ax.plot(steps, acc, marker="o", label=f"{res['mechanism']} / {res['batching'].split(':')[0]}: "
+                f"{res['test_accuracy']:.3f} (eps {res['epsilon']:.3g}, {res['accounting']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return str(out)

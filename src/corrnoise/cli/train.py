@@ -55,12 +55,17 @@ def _progress_bar(enabled: bool):
                    "Default: a secret seed from the OS.")
 @click.option("--compare", default=None, help="Also train this mechanism (e.g. dpsgd) at the same budget and "
               "pipeline, and report both.")
+@click.option("--plot", default=None, help="Write PNG plots: test accuracy per epoch of every run (this path) and, "
+              "when the planner chose, its picture (PATH-plan.png).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_size, lr, optimizer, momentum, clip_norm,
-                  physical_batch_size, device, seed, noise_seed, compare, as_json):
+                  physical_batch_size, device, seed, noise_seed, compare, plot, as_json):
     """Private training on DATASET with MECHANISM at (EPSILON, DELTA) for your data pipeline."""
+    from ..errors import CorrnoiseError
     from ..training import train
 
+    if plot is not None and not str(plot).lower().endswith(".png"):
+        raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
     bar, report = _progress_bar(not as_json and sys.stderr.isatty())
     kwargs = dict(epsilon=epsilon, delta=delta, batching=batching, epochs=epochs, batch_size=batch_size, lr=lr,
                   momentum=momentum, optimizer=optimizer, clip_norm=clip_norm, seed=seed, noise_seed=noise_seed,
@@ -70,17 +75,22 @@ def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_si
     if bar is not None:
         bar.start()
     try:
-        for name in runs:
-            results.append(train(dataset, name, **kwargs))
+        for i, name in enumerate(runs):
+            plan_plot = None if plot is None or i else str(plot)[:-4] + "-plan.png"
+            results.append(train(dataset, name, plan_plot=plan_plot, **kwargs))
     finally:
         if bar is not None:
             bar.stop()
+    if plot is not None:
+        from ..training import plot_history
+
+        plot_history(results, plot, f"{dataset}, epsilon {epsilon:g}, delta {delta:g}, pipeline {batching}")
     if as_json:
         out = results[0] if len(results) == 1 else {"runs": results}
         click.echo(json.dumps(out, allow_nan=False))
         return
     for res in results:
-        table = {k: v for k, v in res.items() if k != "candidates"}
+        table = {k: v for k, v in res.items() if k not in ("candidates", "history")}
         emit(table, False, f"corrnoise train --dataset {dataset} --mechanism {res['mechanism']}")
     if len(results) > 1:
         emit({r["mechanism"]: f"test accuracy {r['test_accuracy']:.4f}   epsilon {r['epsilon']:.4g} "
