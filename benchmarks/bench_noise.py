@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from corrnoise.noise.bench import bench_noise, bench_strategy
+from corrnoise.noise.bench import REFERENCE_BLT4, bench_noise, bench_strategy
 
-COMPARE = ("dpsgd", "banded:4", "blt:4", "dpcgd")
+COMPARE = ("dpsgd", "bsr:4", REFERENCE_BLT4, "dpcgd:0.9")
 
 
 def old_vs_new(dim: int, rounds: int) -> dict:

@@ -229,12 +229,14 @@ def test_bench_noise_command_json():
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     rows = {r["mechanism"]: r for r in data["results"]}
-    assert list(rows) == ["dpsgd", "banded:4", "banded:16", "banded:64", "blt:4", "dpcgd", "toeplitz"]
+    from corrnoise.noise.bench import REFERENCE_BLT4
+
+    assert list(rows) == ["dpsgd", "bsr:4", "bsr:16", "bsr:64", REFERENCE_BLT4, "dpcgd:0.9", "toeplitz-sqrt"]
     assert all(r["seconds_per_step"] > 0 for r in rows.values())
     assert rows["dpsgd"]["extra_memory_bytes"] == scratch_bytes(3000, torch.float32)  # one block of seed noise
-    assert rows["banded:16"]["extra_memory_bytes"] >= 15 * 3000 * 4
-    assert rows["blt:4"]["extra_memory_bytes"] >= 4 * 3000 * 4
-    assert rows["dpcgd"]["generator"] == "dpcgd" and rows["toeplitz"]["generator"] == "regenerate"
+    assert rows["bsr:16"]["extra_memory_bytes"] >= 15 * 3000 * 4
+    assert rows[REFERENCE_BLT4]["extra_memory_bytes"] >= 4 * 3000 * 4
+    assert rows["dpcgd:0.9"]["generator"] == "dpcgd" and rows["toeplitz-sqrt"]["generator"] == "regenerate"
     bad = CliRunner().invoke(cli, ["bench", "noise", "--dim", "10", "--mechanisms", "nope", "--json"])
     assert bad.exit_code != 0 and isinstance(bad.exception, CorrnoiseError)
 

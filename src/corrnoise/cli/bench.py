@@ -16,8 +16,8 @@ def bench_group() -> None:
 @bench_group.command("noise")
 @click.option("--dim", "dim", type=float, required=True, help="Model dimension m (e.g. 1e7).")
 @click.option("--steps", "steps", type=int, default=10, show_default=True, help="Timed steps per mechanism.")
-@click.option("--mechanisms", default=",".join(DEFAULT_MECHANISMS), show_default=True,
-              help="Comma-separated: dpsgd, banded:B, blt:D, dpcgd, toeplitz (regenerated).")
+@click.option("--mechanisms", default=";".join(DEFAULT_MECHANISMS), show_default=True,
+              help="Mechanism names (docs/cli.md) separated by ';', e.g. 'dpsgd;bsr:4;dpcgd:0.9'.")
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1, ...).")
 @click.option("--dtype", type=click.Choice(_DTYPES), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -36,7 +36,7 @@ def noise_command(dim: float, steps: int, mechanisms: str, device: str, dtype: s
     steps = check_int("steps", steps, minimum=1)
     if threads is not None:
         torch.set_num_threads(check_int("threads", threads, minimum=1))
-    names = [s.strip() for s in mechanisms.split(",") if s.strip()]
+    names = [s.strip() for s in mechanisms.split(";") if s.strip()]
     if not names:
         raise CorrnoiseError("mechanisms", "name at least one mechanism")
     for name in names:

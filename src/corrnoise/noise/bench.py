@@ -14,35 +14,23 @@ import time
 from typing import Any, Callable
 
 from ..errors import CorrnoiseError, check_int
-from ..strategies import BLT, DPCGD, BandedSqrt, Identity, Strategy, ToeplitzSqrt
+from ..strategies import Strategy, parse_strategy
 
-__all__ = ["DEFAULT_MECHANISMS", "bench_mechanism", "bench_noise", "noise_command", "bench_group"]
+__all__ = ["DEFAULT_MECHANISMS", "REFERENCE_BLT4", "bench_mechanism", "bench_noise", "bench_strategy"]
 
-DEFAULT_MECHANISMS = ("dpsgd", "banded:4", "banded:16", "banded:64", "blt:4", "dpcgd", "toeplitz")
-
-# A representative order-4 BLT (the timing does not depend on the values).
-_BLT4 = ([0.25, 0.15, 0.08, 0.04], [0.995, 0.95, 0.8, 0.4])
+#: One grammar for mechanism names everywhere (docs/cli.md); a representative order-4 BLT (the
+#: timing does not depend on its values).
+REFERENCE_BLT4 = "blt:0.25,0.15,0.08,0.04:0.995,0.95,0.8,0.4"
+DEFAULT_MECHANISMS = ("dpsgd", "bsr:4", "bsr:16", "bsr:64", REFERENCE_BLT4, "dpcgd:0.9", "toeplitz-sqrt")
 
 
 def bench_strategy(name: str, n: int) -> tuple[Strategy, str]:
-    """(strategy, method) for a benchmark mechanism name."""
-    head, _, rest = name.partition(":")
-    if name == "dpsgd":
-        return Identity(n), "auto"
-    if head == "banded" and rest:
-        b = check_int("mechanism", int(rest) if rest.isdigit() else rest, minimum=1, maximum=n)
-        return BandedSqrt(n, b), "auto"
-    if name == "blt:4":
-        return BLT(*_BLT4, n), "auto"
-    if head == "blt" and rest.isdigit():
-        d = int(rest)
-        lam = [0.99 ** (4 ** i) for i in range(d)]
-        return BLT([0.5 / d] * d, lam, n), "auto"
-    if name == "dpcgd":
-        return DPCGD(0.9, n), "auto"
-    if name == "toeplitz":
-        return ToeplitzSqrt(n), "regenerate"
-    raise CorrnoiseError("mechanism", f"unknown benchmark mechanism {name!r}; use {', '.join(DEFAULT_MECHANISMS)} or blt:D / banded:B")
+    """(strategy, method) for a mechanism name of the one grammar (:func:`parse_strategy`); the
+    generator is the one training uses (``auto``: regenerated noise for a full Toeplitz C)."""
+    try:
+        return parse_strategy(name, n), "auto"
+    except CorrnoiseError as exc:
+        raise CorrnoiseError("mechanism", exc.message) from None
 
 
 def _sync(device) -> None:

@@ -14,7 +14,7 @@ from .io import load_mechanism
 from .toeplitz import BLT, DPCGD, BandedSqrt, Identity, Prefix, ToeplitzSqrt
 
 NAMES_HELP = (
-    "identity, prefix, toeplitz-sqrt, bsr:B, dpcgd:BETA, tree, blt:A1,A2,...:L1,L2,..., "
+    "identity (or dpsgd), prefix, toeplitz-sqrt, bsr:B, dpcgd:BETA, tree, blt:A1,A2,...:L1,L2,..., "
     "matrix:PATH.npy or a mechanism file (.json), optionally with a +colnorm suffix"
 )
 
@@ -33,7 +33,7 @@ def parse_strategy(name: str, n: int) -> Strategy:
     if name.endswith("+colnorm"):
         return ColumnNormalized(parse_strategy(name[: -len("+colnorm")], n))
     head, _, rest = name.partition(":")
-    if name == "identity":
+    if name in ("identity", "dpsgd"):
         return Identity(n)
     if name == "prefix":
         return Prefix(n)
