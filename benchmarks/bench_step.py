@@ -30,6 +30,10 @@ from torch import nn
 warnings.filterwarnings("ignore")
 SIGMA, CLIP = 1.0, 1.0
 METHODS = ["plain", "opacus_hooks", "opacus_ghost", "corrnoise_vmap", "engine"]
+#: the real private step of the front door (make_private: engine + the mechanism's noise generator)
+FRONT = {"dpsgd": "identity", "bsr4": "bsr:4", "blt4": "blt:0.25,0.15,0.08,0.04:0.995,0.95,0.8,0.4",
+         "dpcgd": "dpcgd:0.9"}
+METHODS += [f"front_{k}" for k in FRONT]
 
 
 def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
@@ -93,6 +97,23 @@ def make_step(model_name: str, method: str):
         def step():
             sums, _ = clipped_gradient_sum(model, ce, x, y, CLIP)
             release(sums)
+        return step, model
+
+    if method.startswith("front_"):
+        from corrnoise.torch import make_private
+
+        data = torch.utils.data.TensorDataset(x.repeat(4, *[1] * (x.dim() - 1)), y.repeat(4))
+        dl = torch.utils.data.DataLoader(data, batch_size=b)
+        model, dp_opt, _ = make_private(model, opt, dl, mechanism=FRONT[method[len("front_"):]],
+                                        noise_multiplier=SIGMA, delta=1e-5, steps=20000, max_grad_norm=CLIP,
+                                        batching="cyclic", noise_seed=0)
+
+        def step():
+            # the batch the private loader would yield for this step (fetching excluded, as for the others)
+            dp_opt.context.current_step, dp_opt.context.size = dp_opt.steps_taken, b
+            ce(model(x), y).backward()
+            dp_opt.step()
+            dp_opt.zero_grad(set_to_none=True)
         return step, model
 
     if method == "engine":

@@ -55,181 +55,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..errors import CorrnoiseError, check_int, check_real
+from ..errors import CorrnoiseError, check_int
+from .constants import (BANDS, BETAS, BUFFERS, FAMILIES, FINAL_MC_SAMPLES, MAX_DENSE_N, MAX_FINALIZE,
+                        MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES, SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES,
+                        SCREEN_MC_TAU)
+from .designs import _batching_spec, _designs, _errors
+from .setup import PlanSetup, make_setup
 
 __all__ = [
     "FAMILIES", "PIPELINES", "PlanSetup", "Candidate", "PlanResult", "plan",
     "SCREEN_DISCRETIZATION", "SCREEN_MC_SAMPLES", "BANDS", "BUFFERS", "BETAS",
 ]
 
-FAMILIES = ("dpsgd", "bandmf", "blt", "dpcgd", "toeplitz", "dense", "tree")
-PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
-_PIPELINE_BATCHINGS = {
-    "auto": ("none", "poisson", "block-cyclic", "balls-in-bins"),
-    "poisson": ("none", "poisson", "block-cyclic"),
-    "cyclic": ("none",),
-    "balls-in-bins": ("none", "balls-in-bins"),
-}
-#: PLD value discretization while screening (pessimistic, so still a guarantee; ~10x faster).
-SCREEN_DISCRETIZATION = 1e-3
-#: Monte Carlo samples for a screening estimate (seed 000 App. G.2: far fewer than verification).
-SCREEN_MC_SAMPLES = 1 << 15
-#: Verification keeps delta_hat <= delta / tau (seed 000 Thm 2.1, tau = 1.25 by default), so a
-#: screening estimate aims at delta / tau too: it then ranks a Monte Carlo candidate about where
-#: its verified noise will land, instead of favouring it by the slack verification needs.
-SCREEN_MC_TAU = 1.25
-#: Samples of the calibration that precedes the final verification (the accounting default is
-#: 2^24).  The guarantee comes from the fresh verification sample alone (its size set by delta,
-#: Thm 2.2); fewer calibration samples only widen the upper-confidence margin a little.
-FINAL_MC_SAMPLES = 1 << 20
-BANDS = (2, 4, 8, 16, 32, 64)
-BUFFERS = (1, 2, 4)
-BETAS = (0.5, 0.7, 0.8, 0.9, 0.95)
-MAX_TOEPLITZ_N = 4096
-MAX_DENSE_N = 256
-MAX_TREE_N = 4096
-#: A noise multiplier beyond this counts as "epsilon not reachable" (the accounting search range).
-MAX_NOISE_MULTIPLIER = 1e6
-#: Final re-calibrations at most (each may be a verified Monte Carlo run).
-MAX_FINALIZE = 4
-
 Progress = Callable[[str, int, int], None]
 
 
-# ----------------------------------------------------------------------------------------------
-# Setup
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PlanSetup:
-    """What the user knows about the run.  Give (dataset_size, batch_size, epochs) or
-    (steps, epochs)."""
-
-    epsilon: float
-    delta: float
-    epochs: int
-    dataset_size: int | None = None
-    batch_size: int | None = None
-    steps: int | None = None
-    max_buffers: int | None = None
-    only: tuple[str, ...] | None = None
-    pipeline: str = "auto"
-
-    def __post_init__(self):
-        eps = check_real("epsilon", self.epsilon, low=0.0, low_open=True)
-        delta = check_real("delta", self.delta, low=0.0, high=1.0, low_open=True, high_open=True)
-        epochs = check_int("epochs", self.epochs, minimum=1)
-        object.__setattr__(self, "epsilon", eps)
-        object.__setattr__(self, "delta", delta)
-        object.__setattr__(self, "epochs", epochs)
-        by_data = self.dataset_size is not None or self.batch_size is not None
-        if by_data and self.steps is not None:
-            raise CorrnoiseError("steps", "give either (dataset_size, batch_size, epochs) or (steps, epochs), not both")
-        if by_data:
-            if self.dataset_size is None or self.batch_size is None:
-                missing = "dataset_size" if self.dataset_size is None else "batch_size"
-                raise CorrnoiseError(missing, "is needed with (dataset_size, batch_size, epochs)")
-            n_ex = check_int("dataset_size", self.dataset_size, minimum=1)
-            bs = check_int("batch_size", self.batch_size, minimum=1)
-            if bs > n_ex:
-                raise CorrnoiseError("batch_size", f"must be <= dataset_size = {n_ex}, got {bs}")
-            object.__setattr__(self, "dataset_size", n_ex)
-            object.__setattr__(self, "batch_size", bs)
-        elif self.steps is None:
-            raise CorrnoiseError("steps", "give (dataset_size, batch_size, epochs) or (steps, epochs)")
-        else:
-            steps = check_int("steps", self.steps, minimum=1)
-            if steps < epochs:
-                raise CorrnoiseError("epochs", f"must be <= steps = {steps} (at least one step per epoch), got {epochs}")
-            object.__setattr__(self, "steps", steps)
-        if self.max_buffers is not None:
-            object.__setattr__(self, "max_buffers", check_int("max_buffers", self.max_buffers, minimum=0))
-        object.__setattr__(self, "only", _check_only(self.only))
-        pipeline = str(self.pipeline).strip().lower()
-        if pipeline not in PIPELINES:
-            raise CorrnoiseError("pipeline", f"must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
-        object.__setattr__(self, "pipeline", pipeline)
-
-    # --- derived ------------------------------------------------------------------------------
-    @property
-    def steps_per_epoch(self) -> int:
-        """b: fixed-size batches per epoch (N // B), or ceil(n / K) given the steps."""
-        if self.steps is None:
-            return self.dataset_size // self.batch_size
-        return -(-self.steps // self.epochs)
-
-    @property
-    def n(self) -> int:
-        """The number of steps."""
-        return self.epochs * self.steps_per_epoch if self.steps is None else self.steps
-
-    @property
-    def participations(self) -> int:
-        """k: how often an example takes part in cyclic order, ceil(n / b)."""
-        return -(-self.n // self.steps_per_epoch)
-
-    @property
-    def sampling_probability(self) -> float:
-        """p = B / N (or 1 / b given the steps): one example's rate per step."""
-        if self.steps is None:
-            return self.batch_size / self.dataset_size
-        return 1.0 / self.steps_per_epoch
-
-    @property
-    def participation(self) -> str:
-        return f"cyclic:{self.participations}:{self.steps_per_epoch}"
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if v is not None}
-        if self.only is not None:
-            out["only"] = list(self.only)
-        out.update(n=self.n, steps_per_epoch=self.steps_per_epoch, participations=self.participations,
-                   sampling_probability=self.sampling_probability, participation=self.participation)
-        return out
-
-
-def _check_only(only) -> tuple[str, ...] | None:
-    if only is None:
-        return None
-    if isinstance(only, str):
-        only = [s for s in only.split(",")]
-    names = tuple(str(s).strip().lower() for s in only if str(s).strip())
-    if not names:
-        raise CorrnoiseError("only", f"names no family; choose from {', '.join(FAMILIES)}")
-    for name in names:
-        if name not in FAMILIES:
-            raise CorrnoiseError("only", f"unknown family {name!r}; choose from {', '.join(FAMILIES)}")
-    return names
-
-
-def make_setup(setup: PlanSetup | dict | None = None, **kwargs: Any) -> PlanSetup:
-    """A :class:`PlanSetup` from one, from a dict, or from keyword arguments."""
-    if isinstance(setup, PlanSetup):
-        if kwargs:
-            from dataclasses import replace
-
-            return replace(setup, **kwargs)
-        return setup
-    if setup is None:
-        setup = {}
-    if not isinstance(setup, dict):
-        raise CorrnoiseError("setup", f"expected a PlanSetup or a dict, got {type(setup).__name__}")
-    args = {**setup, **kwargs}
-    for key in ("epsilon", "delta", "epochs"):
-        if key not in args:
-            raise CorrnoiseError(key, "is required")
-    known = set(PlanSetup.__dataclass_fields__)
-    for key in args:
-        if key not in known:
-            raise CorrnoiseError(key, f"is not a planner setting (known: {', '.join(sorted(known))})")
-    return PlanSetup(**args)
-
-
-# ----------------------------------------------------------------------------------------------
-# Candidates and results
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Candidate:
@@ -375,136 +219,6 @@ def _jsonable(v) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Strategies per family
 # ----------------------------------------------------------------------------------------------
-def _errors(strategy) -> tuple[float, float]:
-    from ..losses import error_summary
-
-    mean, mx = error_summary(strategy)
-    return float(mean), float(mx)
-
-
-def _regenerate_cost(noising) -> float:
-    """2 * mean nnz per row of C^-1 - 1: nnz draws and nnz - 1 multiply-adds per step."""
-    import numpy as np
-
-    nnz = np.count_nonzero(np.abs(noising) > 1e-12, axis=1)
-    return float(2.0 * nnz.mean() - 1.0)
-
-
-def _toeplitz_regenerate_cost(inverse_coefficients, n: int) -> float:
-    import numpy as np
-
-    nz = (np.abs(np.asarray(inverse_coefficients)[:n]) > 1e-12).astype(float)
-    return float(2.0 * np.cumsum(nz).mean() - 1.0)
-
-
-@dataclass
-class _Design:
-    """One strategy and the batchings to calibrate it under."""
-
-    family: str
-    mechanism: str
-    strategy: Any
-    memory: int
-    cost: float
-    batchings: list[str]
-    seconds: float
-
-
-def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]:
-    """(label, build) for every strategy the setup allows; build() optimizes it."""
-    n, b, part = setup.n, setup.steps_per_epoch, setup.participation
-    allowed = _PIPELINE_BATCHINGS[setup.pipeline]
-    families = setup.only or FAMILIES
-    bins_ok = "balls-in-bins" in allowed and n % b == 0 and b >= 1
-    bins = f"balls-in-bins:{b}"
-    tasks: list[tuple[str, Callable[[], _Design | None]]] = []
-
-    def timed(fn):
-        def run():
-            t0 = time.perf_counter()
-            design = fn()
-            design.seconds = time.perf_counter() - t0
-            return design
-        return run
-
-    if "dpsgd" in families:
-        def dpsgd():
-            from ..strategies import Identity
-
-            bats = ["none"] + (["poisson"] if "poisson" in allowed else [])
-            return _Design("dpsgd", "dpsgd", Identity(n), 0, 1.0, bats, 0.0)
-        tasks.append(("dpsgd", timed(dpsgd)))
-    if "bandmf" in families:
-        for bands in BANDS:
-            if bands > b or bands > n:
-                continue
-
-            def bandmf(bands=bands):
-                from ..optimize import optimize_banded_toeplitz
-
-                strat = optimize_banded_toeplitz(n, bands, participation=part)
-                bats = ["none"]
-                if "block-cyclic" in allowed:
-                    bats.append(f"block-cyclic:{bands}")
-                if bins_ok and strat.is_nonnegative():
-                    bats.append(bins)
-                return _Design("bandmf", f"bandmf:{bands}", strat, bands - 1, float(bands), bats, 0.0)
-            tasks.append((f"bandmf:{bands}", timed(bandmf)))
-    if "blt" in families and n >= 2:
-        for d in BUFFERS:
-            def blt(d=d):
-                from ..optimize import optimize_blt
-
-                strat = optimize_blt(n, buffers=d, participation=part)
-                d_eff = len(strat.alpha)
-                bats = ["none"] + ([bins] if bins_ok and strat.is_nonnegative() else [])
-                return _Design("blt", f"blt:{d_eff}", strat, d_eff, 1.0 + 2.0 * d_eff, bats, 0.0)
-            tasks.append((f"blt:{d}", timed(blt)))
-    if "dpcgd" in families:
-        for beta in BETAS:
-            def dpcgd(beta=beta):
-                from ..strategies import DPCGD
-
-                strat = DPCGD(beta, n)
-                bats = ["none"] + ([bins] if bins_ok else [])
-                return _Design("dpcgd", f"dpcgd:{beta:g}", strat, 0, 3.0, bats, 0.0)
-            tasks.append((f"dpcgd:{beta:g}", timed(dpcgd)))
-    if "toeplitz" in families and 2 <= n <= MAX_TOEPLITZ_N:
-        def toeplitz():
-            from ..optimize import optimize_banded_toeplitz
-
-            strat = optimize_banded_toeplitz(n, n, participation=part)
-            cost = _toeplitz_regenerate_cost(strat.inverse_coefficients, n)
-            return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
-        tasks.append(("toeplitz", timed(toeplitz)))
-    if "dense" in families and 2 <= n <= MAX_DENSE_N:
-        def dense():
-            from ..optimize import optimize_dense
-
-            strat = optimize_dense(n, participation=part)
-            return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
-        tasks.append(("dense", timed(dense)))
-    if "tree" in families and 2 <= n <= MAX_TREE_N:
-        def tree():
-            from ..strategies import Tree
-
-            strat = Tree(n)
-            return _Design("tree", "tree", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
-        tasks.append(("tree", timed(tree)))
-    return tasks
-
-
-def _batching_spec(spec: str, setup: PlanSetup) -> str:
-    """The SPEC with its probability: poisson:P, block-cyclic:BLOCKS:P (P = B BLOCKS / N)."""
-    if spec == "poisson":
-        return f"poisson:{setup.sampling_probability!r}"
-    if spec.startswith("block-cyclic:"):
-        blocks = int(spec.split(":")[1])
-        p = min(1.0, setup.sampling_probability * blocks)
-        return f"block-cyclic:{blocks}:{p!r}"
-    return spec
-
-
 # ----------------------------------------------------------------------------------------------
 # plan()
 # ----------------------------------------------------------------------------------------------

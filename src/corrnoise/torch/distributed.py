@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..errors import CorrnoiseError, check_int
 from ..noise import DEFAULT_CHUNK, make_generator, resolve_dim
 from ..noise.seeds import check_seed, new_secret_seed
-from ..noise.generators import split_flat
+from ..noise.base import split_flat
 from .privatizer import Privatizer
 
 __all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed", "local_batch",

@@ -1,0 +1,238 @@
+"""The streaming noise generator's base class: step counter, seed noise, scaling, splitting,
+checkpoints (see :mod:`corrnoise.noise.generators` for the mechanisms' recurrences)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorrnoiseError, check_int, check_real
+from .seeds import DEFAULT_CHUNK, check_seed, fill_noise_combination, new_secret_seed, scratch_bytes
+
+__all__ = ["NoiseGenerator", "resolve_dim", "split_flat"]
+
+_STATE_VERSION = 2  # 2: counter-based Philox Z (issue #8); a version-1 seed gives another Z
+
+
+def resolve_dim(dim: Any) -> tuple[int, list[torch.Size] | None]:
+    """(m, shapes): ``dim`` is an int m, a shape (torch.Size / tuple of ints), or a list of
+    parameter shapes or tensors. ``shapes`` is None for an int (flat output)."""
+    if isinstance(dim, bool):
+        raise CorrnoiseError("dim", f"must be an integer or a list of shapes, got {dim!r}")
+    if isinstance(dim, (int, np.integer)):
+        return check_int("dim", dim, minimum=1), None
+    if isinstance(dim, torch.Tensor):
+        dim = [dim]
+    if isinstance(dim, torch.Size) or (
+        isinstance(dim, tuple) and all(isinstance(d, (int, np.integer)) for d in dim)
+    ):
+        dim = [dim]
+    try:
+        shapes = [torch.Size(p.shape) if isinstance(p, torch.Tensor) else torch.Size(p) for p in dim]
+    except TypeError:
+        raise CorrnoiseError("dim", "must be an integer, a shape, or a list of shapes/tensors") from None
+    m = sum(int(math.prod(s)) for s in shapes)
+    if m < 1:
+        raise CorrnoiseError("dim", "the model has no coordinates")
+    return m, shapes
+
+
+def split_flat(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of the flat row ``flat`` with the given ``shapes`` (from :func:`resolve_dim`)."""
+    out, pos = [], 0
+    for s in shapes:
+        k = int(math.prod(s))
+        out.append(flat[pos : pos + k].view(s))
+        pos += k
+    return out
+
+
+class NoiseGenerator:
+    """Base class: the step counter, seed noise, scaling, splitting, checkpoints.
+
+    Subclasses implement ``_raw_step(t)`` returning a fresh flat tensor equal to
+    nu * (C^{-1} Z)[t] over the shard for the (un-normalized) base strategy.
+    """
+
+    kind = "abstract"
+
+    def __init__(
+        self,
+        n: int,
+        dim: Any,
+        *,
+        noise_std: float = 1.0,
+        seed: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        shard: tuple[int, int] | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+        row_scale: np.ndarray | None = None,
+        label: str = "",
+    ):
+        self.n = check_int("n", n, minimum=1)
+        self.m, self.shapes = resolve_dim(dim)
+        self.noise_std = check_real("noise_std", noise_std, low=0.0)
+        self.seed = new_secret_seed() if seed is None else check_seed(seed)
+        self.device = torch.device(device)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise CorrnoiseError("dtype", f"must be a floating-point torch dtype, got {dtype!r}")
+        self.dtype = dtype
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        if shard is None:
+            shard = (0, self.m)
+        try:
+            start, stop = (int(shard[0]), int(shard[1]))
+        except (TypeError, ValueError, IndexError):
+            raise CorrnoiseError("shard", f"must be a pair (start, stop), got {shard!r}") from None
+        if not 0 <= start < stop <= self.m:
+            raise CorrnoiseError("shard", f"must satisfy 0 <= start < stop <= {self.m}, got {shard!r}")
+        if (start, stop) != (0, self.m) and self.shapes is not None:
+            raise CorrnoiseError("shard", "a sharded generator returns flat tensors: pass dim as an int")
+        self.start, self.stop = start, stop
+        self.size = stop - start
+        self.row_scale = None if row_scale is None else np.asarray(row_scale, dtype=np.float64)
+        if self.row_scale is not None and self.row_scale.size < self.n:
+            raise CorrnoiseError("strategy", "column scales shorter than the number of steps")
+        self.label = label or self.kind
+        self.t = 0
+
+    # --- seed noise ------------------------------------------------------------------------
+    def _combination(self, terms, out: torch.Tensor | None = None) -> torch.Tensor:
+        """nu * sum_i coef_i Z[tau_i] over the shard for ``terms`` = [(tau_i, coef_i)], fused
+        block by block (:func:`corrnoise.noise.seeds.fill_noise_combination`)."""
+        if out is None:
+            out = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        nu = self.noise_std
+        return fill_noise_combination(out, self.seed, [(tau, nu * c) for tau, c in terms], self.m,
+                                      self.start, self.chunk_size)
+
+    def _z(self, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """nu * Z[t] over the shard (a fresh tensor unless ``out`` is given)."""
+        return self._combination([(t, 1.0)], out)
+
+    # --- stepping --------------------------------------------------------------------------
+    def _raw_step(self, t: int) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def next_flat(self) -> torch.Tensor:
+        """The noise of the current step as a flat tensor (the shard's coordinates), then advance."""
+        t = self.t
+        if t >= self.n:
+            raise CorrnoiseError(
+                "steps",
+                f"the mechanism {self.label} has n = {self.n} steps; step {t} is past its end "
+                "(build a mechanism for more steps)",
+            )
+        out = self._raw_step(t)
+        if self.row_scale is not None:
+            out.mul_(float(self.row_scale[t]))
+        self.t = t + 1
+        return out
+
+    def next(self) -> torch.Tensor | list[torch.Tensor]:
+        """The current step's noise: a flat tensor for an int ``dim``, else one tensor per shape."""
+        flat = self.next_flat()
+        return flat if self.shapes is None else self.unflatten(flat)
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` with the parameter shapes."""
+        if self.shapes is None:
+            return [flat]
+        return split_flat(flat, self.shapes)
+
+    @property
+    def stateless(self) -> bool:
+        """True when the state is only (seed, t): seek() jumps instead of replaying."""
+        return True
+
+    def seek(self, t: int) -> None:
+        """Position the generator so that the next call returns step t's noise."""
+        t = check_int("t", t, minimum=0, maximum=self.n)
+        if self.stateless:
+            self.t = t
+            return
+        if t < self.t:
+            self.reset()
+        while self.t < t:
+            self._raw_step(self.t)
+            self.t += 1
+
+    def reset(self) -> None:
+        """Back to step 0 with the same seed."""
+        self.t = 0
+        self._reset_buffers()
+
+    def _reset_buffers(self) -> None:
+        pass
+
+    # --- memory and checkpoints --------------------------------------------------------------
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _arrays(self) -> list[np.ndarray]:
+        return [] if self.row_scale is None else [self.row_scale]
+
+    def extra_memory_bytes(self) -> int:
+        """Bytes held beyond one m-vector: buffers, coefficient arrays, and on CPU the seed-noise
+        scratch (one block and its Box-Muller temporaries per filling thread)."""
+        total = sum(b.numel() * b.element_size() for b in self._buffers().values())
+        total += sum(a.nbytes for a in self._arrays())
+        if self.device.type == "cpu":
+            total += scratch_bytes(min(self.chunk_size, self.size), self.dtype)
+        return int(total)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly where this generator is (plus buffers)."""
+        return {
+            "version": _STATE_VERSION,
+            "kind": self.kind,
+            "label": self.label,
+            "seed": self.seed,
+            "t": self.t,
+            "n": self.n,
+            "m": self.m,
+            "shard": [self.start, self.stop],
+            "chunk_size": self.chunk_size,
+            "noise_std": self.noise_std,
+            "dtype": str(self.dtype),
+            "buffers": {k: v.detach().clone() for k, v in self._buffers().items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` taken from a generator of the same mechanism and size."""
+        try:
+            if state["version"] != _STATE_VERSION:
+                raise CorrnoiseError("state", f"unsupported generator state version {state['version']!r}")
+            for key, mine in (("kind", self.kind), ("n", self.n), ("m", self.m),
+                              ("shard", [self.start, self.stop]), ("chunk_size", self.chunk_size)):
+                if state[key] != mine:
+                    raise CorrnoiseError("state", f"{key} = {state[key]!r} does not match this generator's {mine!r}")
+            if not math.isclose(float(state["noise_std"]), self.noise_std, rel_tol=1e-12, abs_tol=0.0):
+                raise CorrnoiseError("state", f"noise_std = {state['noise_std']} does not match {self.noise_std}")
+            t = check_int("t", state["t"], minimum=0, maximum=self.n)
+            seed = check_seed(state["seed"])
+            buffers = state["buffers"]
+            mine = self._buffers()
+            if set(buffers) != set(mine):
+                raise CorrnoiseError("state", f"buffers {sorted(buffers)} do not match {sorted(mine)}")
+            for k, v in buffers.items():
+                if tuple(v.shape) != tuple(mine[k].shape):
+                    raise CorrnoiseError("state", f"buffer {k} has shape {tuple(v.shape)}, expected {tuple(mine[k].shape)}")
+        except KeyError as exc:
+            raise CorrnoiseError("state", f"missing entry {exc.args[0]!r} in the generator state") from None
+        self.seed, self.t = seed, t
+        for k, v in buffers.items():
+            mine[k].copy_(v.to(device=self.device, dtype=self.dtype))
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.label}, n={self.n}, m={self.m}, t={self.t}, "
+                f"noise_std={self.noise_std:g}, dtype={self.dtype}, device={self.device})")

@@ -1,0 +1,34 @@
+"""The planner's families, pipelines, sweeps and screening settings (one place)."""
+
+from __future__ import annotations
+
+FAMILIES = ("dpsgd", "bandmf", "blt", "dpcgd", "toeplitz", "dense", "tree")
+PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
+_PIPELINE_BATCHINGS = {
+    "auto": ("none", "poisson", "block-cyclic", "balls-in-bins"),
+    "poisson": ("none", "poisson", "block-cyclic"),
+    "cyclic": ("none",),
+    "balls-in-bins": ("none", "balls-in-bins"),
+}
+#: PLD value discretization while screening (pessimistic, so still a guarantee; ~10x faster).
+SCREEN_DISCRETIZATION = 1e-3
+#: Monte Carlo samples for a screening estimate (seed 000 App. G.2: far fewer than verification).
+SCREEN_MC_SAMPLES = 1 << 15
+#: Verification keeps delta_hat <= delta / tau (seed 000 Thm 2.1, tau = 1.25 by default), so a
+#: screening estimate aims at delta / tau too: it then ranks a Monte Carlo candidate about where
+#: its verified noise will land, instead of favouring it by the slack verification needs.
+SCREEN_MC_TAU = 1.25
+#: Samples of the calibration that precedes the final verification (the accounting default is
+#: 2^24).  The guarantee comes from the fresh verification sample alone (its size set by delta,
+#: Thm 2.2); fewer calibration samples only widen the upper-confidence margin a little.
+FINAL_MC_SAMPLES = 1 << 20
+BANDS = (2, 4, 8, 16, 32, 64)
+BUFFERS = (1, 2, 4)
+BETAS = (0.5, 0.7, 0.8, 0.9, 0.95)
+MAX_TOEPLITZ_N = 4096
+MAX_DENSE_N = 256
+MAX_TREE_N = 4096
+#: A noise multiplier beyond this counts as "epsilon not reachable" (the accounting search range).
+MAX_NOISE_MULTIPLIER = 1e6
+#: Final re-calibrations at most (each may be a verified Monte Carlo run).
+MAX_FINALIZE = 4

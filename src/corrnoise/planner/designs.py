@@ -1,0 +1,142 @@
+"""The planner's candidate designs: how each family's C is built, what it costs, how it is batched."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .constants import _PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N, MAX_TREE_N
+from .setup import PlanSetup
+
+
+def _errors(strategy) -> tuple[float, float]:
+    from ..losses import error_summary
+
+    mean, mx = error_summary(strategy)
+    return float(mean), float(mx)
+
+
+def _regenerate_cost(noising) -> float:
+    """2 * mean nnz per row of C^-1 - 1: nnz draws and nnz - 1 multiply-adds per step."""
+    import numpy as np
+
+    nnz = np.count_nonzero(np.abs(noising) > 1e-12, axis=1)
+    return float(2.0 * nnz.mean() - 1.0)
+
+
+def _toeplitz_regenerate_cost(inverse_coefficients, n: int) -> float:
+    import numpy as np
+
+    nz = (np.abs(np.asarray(inverse_coefficients)[:n]) > 1e-12).astype(float)
+    return float(2.0 * np.cumsum(nz).mean() - 1.0)
+
+
+@dataclass
+class _Design:
+    """One strategy and the batchings to calibrate it under."""
+
+    family: str
+    mechanism: str
+    strategy: Any
+    memory: int
+    cost: float
+    batchings: list[str]
+    seconds: float
+
+
+def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]:
+    """(label, build) for every strategy the setup allows; build() optimizes it."""
+    n, b, part = setup.n, setup.steps_per_epoch, setup.participation
+    allowed = _PIPELINE_BATCHINGS[setup.pipeline]
+    families = setup.only or FAMILIES
+    bins_ok = "balls-in-bins" in allowed and n % b == 0 and b >= 1
+    bins = f"balls-in-bins:{b}"
+    tasks: list[tuple[str, Callable[[], _Design | None]]] = []
+
+    def timed(fn):
+        def run():
+            t0 = time.perf_counter()
+            design = fn()
+            design.seconds = time.perf_counter() - t0
+            return design
+        return run
+
+    if "dpsgd" in families:
+        def dpsgd():
+            from ..strategies import Identity
+
+            bats = ["none"] + (["poisson"] if "poisson" in allowed else [])
+            return _Design("dpsgd", "dpsgd", Identity(n), 0, 1.0, bats, 0.0)
+        tasks.append(("dpsgd", timed(dpsgd)))
+    if "bandmf" in families:
+        for bands in BANDS:
+            if bands > b or bands > n:
+                continue
+
+            def bandmf(bands=bands):
+                from ..optimize import optimize_banded_toeplitz
+
+                strat = optimize_banded_toeplitz(n, bands, participation=part)
+                bats = ["none"]
+                if "block-cyclic" in allowed:
+                    bats.append(f"block-cyclic:{bands}")
+                if bins_ok and strat.is_nonnegative():
+                    bats.append(bins)
+                return _Design("bandmf", f"bandmf:{bands}", strat, bands - 1, float(bands), bats, 0.0)
+            tasks.append((f"bandmf:{bands}", timed(bandmf)))
+    if "blt" in families and n >= 2:
+        for d in BUFFERS:
+            def blt(d=d):
+                from ..optimize import optimize_blt
+
+                strat = optimize_blt(n, buffers=d, participation=part)
+                d_eff = len(strat.alpha)
+                bats = ["none"] + ([bins] if bins_ok and strat.is_nonnegative() else [])
+                return _Design("blt", f"blt:{d_eff}", strat, d_eff, 1.0 + 2.0 * d_eff, bats, 0.0)
+            tasks.append((f"blt:{d}", timed(blt)))
+    if "dpcgd" in families:
+        for beta in BETAS:
+            def dpcgd(beta=beta):
+                from ..strategies import DPCGD
+
+                strat = DPCGD(beta, n)
+                bats = ["none"] + ([bins] if bins_ok else [])
+                return _Design("dpcgd", f"dpcgd:{beta:g}", strat, 0, 3.0, bats, 0.0)
+            tasks.append((f"dpcgd:{beta:g}", timed(dpcgd)))
+    if "toeplitz" in families and 2 <= n <= MAX_TOEPLITZ_N:
+        def toeplitz():
+            from ..optimize import optimize_banded_toeplitz
+
+            strat = optimize_banded_toeplitz(n, n, participation=part)
+            cost = _toeplitz_regenerate_cost(strat.inverse_coefficients, n)
+            return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
+        tasks.append(("toeplitz", timed(toeplitz)))
+    if "dense" in families and 2 <= n <= MAX_DENSE_N:
+        def dense():
+            from ..optimize import optimize_dense
+
+            strat = optimize_dense(n, participation=part)
+            return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
+        tasks.append(("dense", timed(dense)))
+    if "tree" in families and 2 <= n <= MAX_TREE_N:
+        def tree():
+            from ..strategies import Tree
+
+            strat = Tree(n)
+            return _Design("tree", "tree", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
+        tasks.append(("tree", timed(tree)))
+    return tasks
+
+
+def _batching_spec(spec: str, setup: PlanSetup) -> str:
+    """The SPEC with its probability: poisson:P, block-cyclic:BLOCKS:P (P = B BLOCKS / N)."""
+    if spec == "poisson":
+        return f"poisson:{setup.sampling_probability!r}"
+    if spec.startswith("block-cyclic:"):
+        blocks = int(spec.split(":")[1])
+        p = min(1.0, setup.sampling_probability * blocks)
+        return f"block-cyclic:{blocks}:{p!r}"
+    return spec
+
+

@@ -1,0 +1,143 @@
+"""The planner's setup: a training run's size, privacy target, memory budget and data pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import CorrnoiseError, check_int, check_real
+from .constants import FAMILIES, PIPELINES
+
+__all__ = ["PlanSetup", "make_setup"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanSetup:
+    """What the user knows about the run.  Give (dataset_size, batch_size, epochs) or
+    (steps, epochs)."""
+
+    epsilon: float
+    delta: float
+    epochs: int
+    dataset_size: int | None = None
+    batch_size: int | None = None
+    steps: int | None = None
+    max_buffers: int | None = None
+    only: tuple[str, ...] | None = None
+    pipeline: str = "auto"
+
+    def __post_init__(self):
+        eps = check_real("epsilon", self.epsilon, low=0.0, low_open=True)
+        delta = check_real("delta", self.delta, low=0.0, high=1.0, low_open=True, high_open=True)
+        epochs = check_int("epochs", self.epochs, minimum=1)
+        object.__setattr__(self, "epsilon", eps)
+        object.__setattr__(self, "delta", delta)
+        object.__setattr__(self, "epochs", epochs)
+        by_data = self.dataset_size is not None or self.batch_size is not None
+        if by_data and self.steps is not None:
+            raise CorrnoiseError("steps", "give either (dataset_size, batch_size, epochs) or (steps, epochs), not both")
+        if by_data:
+            if self.dataset_size is None or self.batch_size is None:
+                missing = "dataset_size" if self.dataset_size is None else "batch_size"
+                raise CorrnoiseError(missing, "is needed with (dataset_size, batch_size, epochs)")
+            n_ex = check_int("dataset_size", self.dataset_size, minimum=1)
+            bs = check_int("batch_size", self.batch_size, minimum=1)
+            if bs > n_ex:
+                raise CorrnoiseError("batch_size", f"must be <= dataset_size = {n_ex}, got {bs}")
+            object.__setattr__(self, "dataset_size", n_ex)
+            object.__setattr__(self, "batch_size", bs)
+        elif self.steps is None:
+            raise CorrnoiseError("steps", "give (dataset_size, batch_size, epochs) or (steps, epochs)")
+        else:
+            steps = check_int("steps", self.steps, minimum=1)
+            if steps < epochs:
+                raise CorrnoiseError("epochs", f"must be <= steps = {steps} (at least one step per epoch), got {epochs}")
+            object.__setattr__(self, "steps", steps)
+        if self.max_buffers is not None:
+            object.__setattr__(self, "max_buffers", check_int("max_buffers", self.max_buffers, minimum=0))
+        object.__setattr__(self, "only", _check_only(self.only))
+        pipeline = str(self.pipeline).strip().lower()
+        if pipeline not in PIPELINES:
+            raise CorrnoiseError("pipeline", f"must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
+        object.__setattr__(self, "pipeline", pipeline)
+
+    # --- derived ------------------------------------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int:
+        """b: fixed-size batches per epoch (N // B), or ceil(n / K) given the steps."""
+        if self.steps is None:
+            return self.dataset_size // self.batch_size
+        return -(-self.steps // self.epochs)
+
+    @property
+    def n(self) -> int:
+        """The number of steps."""
+        return self.epochs * self.steps_per_epoch if self.steps is None else self.steps
+
+    @property
+    def participations(self) -> int:
+        """k: how often an example takes part in cyclic order, ceil(n / b)."""
+        return -(-self.n // self.steps_per_epoch)
+
+    @property
+    def sampling_probability(self) -> float:
+        """p = B / N (or 1 / b given the steps): one example's rate per step."""
+        if self.steps is None:
+            return self.batch_size / self.dataset_size
+        return 1.0 / self.steps_per_epoch
+
+    @property
+    def participation(self) -> str:
+        return f"cyclic:{self.participations}:{self.steps_per_epoch}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.only is not None:
+            out["only"] = list(self.only)
+        out.update(n=self.n, steps_per_epoch=self.steps_per_epoch, participations=self.participations,
+                   sampling_probability=self.sampling_probability, participation=self.participation)
+        return out
+
+
+def _check_only(only) -> tuple[str, ...] | None:
+    if only is None:
+        return None
+    if isinstance(only, str):
+        only = [s for s in only.split(",")]
+    names = tuple(str(s).strip().lower() for s in only if str(s).strip())
+    if not names:
+        raise CorrnoiseError("only", f"names no family; choose from {', '.join(FAMILIES)}")
+    for name in names:
+        if name not in FAMILIES:
+            raise CorrnoiseError("only", f"unknown family {name!r}; choose from {', '.join(FAMILIES)}")
+    return names
+
+
+def make_setup(setup: PlanSetup | dict | None = None, **kwargs: Any) -> PlanSetup:
+    """A :class:`PlanSetup` from one, from a dict, or from keyword arguments."""
+    if isinstance(setup, PlanSetup):
+        if kwargs:
+            from dataclasses import replace
+
+            return replace(setup, **kwargs)
+        return setup
+    if setup is None:
+        setup = {}
+    if not isinstance(setup, dict):
+        raise CorrnoiseError("setup", f"expected a PlanSetup or a dict, got {type(setup).__name__}")
+    args = {**setup, **kwargs}
+    for key in ("epsilon", "delta", "epochs"):
+        if key not in args:
+            raise CorrnoiseError(key, "is required")
+    known = set(PlanSetup.__dataclass_fields__)
+    for key in args:
+        if key not in known:
+            raise CorrnoiseError(key, f"is not a planner setting (known: {', '.join(sorted(known))})")
+    return PlanSetup(**args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Candidates and results
