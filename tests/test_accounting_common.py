@@ -46,8 +46,8 @@ def test_monte_carlo_calibration_does_not_depend_on_workers():
 
 
 def test_mmcc_does_not_depend_on_workers():
-    one = M.mmcc_epsilon("toeplitz-sqrt", 12, 0.2, 1.0, 1e-6, workers=1)
-    two = M.mmcc_epsilon("toeplitz-sqrt", 12, 0.2, 1.0, 1e-6, workers=2)
+    one = M.mmcc_epsilon("toeplitz-sqrt", 6, 0.2, 1.0, 1e-6, workers=1)
+    two = M.mmcc_epsilon("toeplitz-sqrt", 6, 0.2, 1.0, 1e-6, workers=2)
     assert one.epsilon == two.epsilon and one.extras["unique_rows"] > 1
 
 
