@@ -36,8 +36,49 @@ FRONT = {"dpsgd": "identity", "bsr4": "bsr:4", "blt4": "blt:0.25,0.15,0.08,0.04:
 METHODS += [f"front_{k}" for k in FRONT]
 
 
+class _Block(nn.Module):
+    """A pre-LN transformer block built from Linear/LayerNorm (no fused attention module)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, h):
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return h + self.mlp(self.ln2(h))
+
+
+class GPTLike(nn.Module):
+    """Token + position embeddings, 4 blocks of d = 256, sequence 128, LM head (tied or not)."""
+
+    def __init__(self, vocab: int = 4096, d: int = 256, blocks: int = 4, heads: int = 4, seq: int = 128,
+                 tied: bool = False):
+        super().__init__()
+        self.seq = seq
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[_Block(d, heads) for _ in range(blocks)])
+        self.lnf = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device).expand_as(x)  # per-example position ids
+        h = self.tok(x) + self.pos(positions)
+        return self.head(self.lnf(self.blocks(h))).reshape(-1, self.head.out_features)
+
+
 def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
     """(model, input shape per example, batch size)."""
+    if name in ("gpt", "gpt_tied"):
+        return GPTLike(tied=name == "gpt_tied"), (128,), 16
     if name == "mlp":
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)), (784,), 256
     if name == "cnn":
@@ -53,8 +94,12 @@ def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
 def make_step(model_name: str, method: str):
     torch.manual_seed(0)
     model, shape, b = make_model(model_name)
-    x = torch.randn(b, *shape)
-    y = torch.randint(0, 10, (b,))
+    if model_name.startswith("gpt"):  # token ids in, next-token targets (one per position) out
+        x = torch.randint(0, 4096, (b, *shape))
+        y = torch.randint(0, 4096, (b * shape[0],))
+    else:
+        x = torch.randn(b, *shape)
+        y = torch.randint(0, 10, (b,))
     ce = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -102,7 +147,8 @@ def make_step(model_name: str, method: str):
     if method.startswith("front_"):
         from corrnoise.torch import make_private
 
-        data = torch.utils.data.TensorDataset(x.repeat(4, *[1] * (x.dim() - 1)), y.repeat(4))
+        xs = x.repeat(4, *[1] * (x.dim() - 1))  # the loader only sizes the sampler; batches are x, y
+        data = torch.utils.data.TensorDataset(xs, torch.zeros(xs.shape[0]))
         dl = torch.utils.data.DataLoader(data, batch_size=b)
         model, dp_opt, _ = make_private(model, opt, dl, mechanism=FRONT[method[len("front_"):]],
                                         noise_multiplier=SIGMA, delta=1e-5, steps=20000, max_grad_norm=CLIP,
