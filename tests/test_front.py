@@ -384,3 +384,28 @@ def test_batch_norm_is_refused_at_make_private_naming_the_module(norm):
     assert e.value.param == "module" and "\n" not in msg and msg.startswith("module:")
     assert "'1.0'" in msg and norm.__name__ in msg  # the module's path and type
     assert not model[0]._forward_hooks  # nothing left attached
+
+
+def test_mechanism_auto_is_the_planners_choice_for_the_pipeline():
+    """make_private(mechanism="auto") asks the planner (one set of rules) for the user's pipeline
+    and trains with the guarantee it calibrated; a family restricts the choice."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = make_private(model, opt, DataLoader(_data(80), batch_size=8), mechanism="auto",
+                                      batching="cyclic", epsilon=8.0, delta=1e-5, epochs=2, max_grad_norm=1.0)
+    assert opt.batching.spec == "none" and opt.steps == 20
+    for _ in range(2):
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    spent = opt.privacy_spent()
+    assert spent.kind == "guarantee" and spent.epsilon <= 8.0 and spent is not None
+    other = _mlp()
+    with pytest.raises(CorrnoiseError, match="^mechanism: 'auto' is chosen by the planner"):
+        make_private(other, torch.optim.SGD(other.parameters(), lr=0.1), DataLoader(_data(80), batch_size=8),
+                     mechanism="auto", noise_multiplier=1.0, delta=1e-5, epochs=2, max_grad_norm=1.0)
+    _, opt2, _ = make_private(other, torch.optim.SGD(other.parameters(), lr=0.1),
+                              DataLoader(_data(80), batch_size=8), mechanism="dpsgd", batching="poisson",
+                              epsilon=8.0, delta=1e-5, epochs=2, max_grad_norm=1.0)
+    assert opt2.strategy.label == "identity" and opt2.batching.spec.startswith("poisson:")
