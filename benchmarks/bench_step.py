@@ -281,13 +281,15 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--opake-reps", type=int, default=None,
                     help="timed steps for the opake methods (default --reps; its eager step takes seconds)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (1 avoids OpenMP stragglers when another process holds the cores)")
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         return run_case(args.case)
-    torch.set_num_threads(2)
-    print("uptime:", os.popen("uptime").read().strip())
+    torch.set_num_threads(args.threads)
+    print("uptime:", os.popen("uptime").read().strip(), f"| torch threads: {args.threads}")
     rows = []
     for mname in args.models.split(","):
         methods = args.methods.split(",")
