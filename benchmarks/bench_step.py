@@ -4,7 +4,7 @@
     PYTHONPATH=src benchmarks/.venv-opake/bin/python benchmarks/bench_step.py --models mlp \
         --methods plain,opacus_ghost,front_blt4,opake_blt4,...   # the opake peer (issue #10)
 
-All timings in one process (same load), torch.set_num_threads(2), float32; median of ``reps``
+All timings in one process (same load), torch.set_num_threads(2) (``--threads``), float32; median of ``reps``
 steps after warmup, reported with ratios to the plain step and to Opacus ghost clipping, plus
 ``uptime`` load. Peak RSS: a fresh subprocess per case (``--case MODEL:METHOD``) runs a few
 steps and reports ru_maxrss. Noise: every private step adds i.i.d. torch.randn noise of the
