@@ -1,8 +1,10 @@
 """Seconds per DP-SGD step: plain SGD, Opacus (hooks, ghost), corrnoise vmap, corrnoise ClippingEngine.
 
     PYTHONPATH=src python benchmarks/bench_step.py [--reps 20] [--no-rss] [--models mlp,cnn,mlp10m]
+    PYTHONPATH=src benchmarks/.venv-opake/bin/python benchmarks/bench_step.py --models mlp \
+        --methods plain,opacus_ghost,front_blt4,opake_blt4,...   # the opake peer (issue #10)
 
-All timings in one process (same load), torch.set_num_threads(2), float32; median of ``reps``
+All timings in one process (same load), torch.set_num_threads(2) (``--threads``), float32; median of ``reps``
 steps after warmup, reported with ratios to the plain step and to Opacus ghost clipping, plus
 ``uptime`` load. Peak RSS: a fresh subprocess per case (``--case MODEL:METHOD``) runs a few
 steps and reports ru_maxrss. Noise: every private step adds i.i.d. torch.randn noise of the
@@ -34,6 +36,67 @@ METHODS = ["plain", "opacus_hooks", "opacus_ghost", "corrnoise_vmap", "engine"]
 FRONT = {"dpsgd": "identity", "bsr4": "bsr:4", "blt4": "blt:0.25,0.15,0.08,0.04:0.995,0.95,0.8,0.4",
          "dpcgd": "dpcgd:0.9"}
 METHODS += [f"front_{k}" for k in FRONT]
+#: opake 0.16.x (the peer, issue #10): its functional private step, each mechanism built with its
+#: public strategy factories (opake.dpftrl.noise) and i.i.d. Gaussian DP-SGD (opake.dpsgd.noise);
+#: the ``_compiled`` variants wrap opake's clipped-gradient function in torch.compile (user side:
+#: opake has no compile switch of its own in its public API). Only run when opake is importable.
+OPAKE = ["opake_dpsgd", "opake_bsr4", "opake_blt4", "opake_cgd", "opake_dpsgd_compiled", "opake_blt4_compiled"]
+METHODS += OPAKE
+#: the horizon and participation of the front door's cyclic batching above (4 batches an epoch)
+OPAKE_STEPS, OPAKE_MIN_SEP = 20000, 4
+
+
+def opake_available() -> bool:
+    try:
+        import opake.dpftrl.noise  # noqa: F401
+        import opake.dpsgd.noise  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_opake_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, method: str, lr: float = 0.01):
+    """opake's functional DP step on the same model, batch, sigma and clip: per-example gradients
+    by torch.func (vmap of grad) in ``clipped_grad``, clipped and summed, divided by the batch
+    size; its noise function adds sigma * clip / b times the mechanism's noise (a fresh
+    torch.randn draw from a per-step generator, streamed through C^-1 for BLT/BSR, regenerated
+    for step t and t-1 for lambda-CGD); then the SGD update in place."""
+    from torch.func import functional_call
+
+    from opake.dpftrl.clipping import clipped_grad
+    from opake.dpftrl.noise import blt_strategy, bsr_strategy, lambda_cgd_strategy, mf_gaussian_noise
+    from opake.dpsgd.noise import gaussian_noise
+    from opake.random import key
+
+    b = x.shape[0]
+    ce = nn.CrossEntropyLoss()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    names = list(params)
+
+    def loss_fn(p, xi, yi):  # one example (opake vmaps over the batch arguments)
+        return ce(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    grad_fn, clip_state = clipped_grad(loss_fn, clipping_norm=CLIP, batch_argnums=(1, 2), normalize_by=b)
+    mech = method.removeprefix("opake_").removesuffix("_compiled")
+    if mech == "dpsgd":
+        noise_fn, noise_state = gaussian_noise(noise_multiplier=SIGMA, key=key(0))
+    else:
+        strategy = {"bsr4": lambda: bsr_strategy(bandwidth=4, alpha=1.0, beta=0.0),
+                    "blt4": lambda: blt_strategy(max_buffers=4),  # L-BFGS-optimized, prefix-sum workload
+                    "cgd": lambda: lambda_cgd_strategy(lambda_=0.9)}[mech]()
+        noise_fn, noise_state = mf_gaussian_noise(
+            params, strategy, n_steps=OPAKE_STEPS, min_sep=OPAKE_MIN_SEP,
+            max_participations=OPAKE_STEPS // OPAKE_MIN_SEP, noise_multiplier=SIGMA, key=key(0))
+    if method.endswith("_compiled"):
+        grad_fn = torch.compile(grad_fn)
+    plist = [params[k] for k in names]
+    state = {"clip": clip_state, "noise": noise_state}
+
+    def step():
+        clipped, state["clip"] = grad_fn(params, x, y, state=state["clip"])
+        noised, state["noise"] = noise_fn(clipped, state["noise"])
+        torch._foreach_add_(plist, [noised.pytree[k] for k in names], alpha=-lr)
+    return step, model
 
 
 class _Block(nn.Module):
@@ -109,6 +172,9 @@ def make_step(model_name: str, method: str):
             ce(model(x), y).backward()
             opt.step()
         return step, model
+
+    if method.startswith("opake_"):
+        return make_opake_step(model, x, y, method)
 
     if method.startswith("opacus"):
         from opacus import PrivacyEngine
@@ -189,12 +255,13 @@ def time_it(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(ts)
 
 
-def time_interleaved(steps: dict, reps: int, warmup: int = 1, rounds: int = 4) -> dict:
+def time_interleaved(steps: dict, reps: int | dict, warmup: int = 1, rounds: int = 4) -> dict:
     """Median seconds per step of each method, in ``rounds`` round-robin blocks (warmup, then
     ceil(reps / rounds) timed steps per method per block): load from other processes on the
     shared machine hits every method alike, while a block's warmup keeps one method's large
-    allocations (Opacus hooks, vmap) from being paid by the next method's timed steps."""
-    per = -(-reps // rounds)
+    allocations (Opacus hooks, vmap) from being paid by the next method's timed steps.
+    ``reps`` may be a dict (method -> reps) to time very slow methods with fewer steps."""
+    reps_of = reps if isinstance(reps, dict) else dict.fromkeys(steps, reps)
     ts: dict = {m: [] for m in steps}
     for fn in steps.values():
         fn()  # first call: allocations, the engine's one-time verification
@@ -202,7 +269,7 @@ def time_interleaved(steps: dict, reps: int, warmup: int = 1, rounds: int = 4) -
         for m, fn in steps.items():
             for _ in range(warmup):
                 fn()
-            for _ in range(per):
+            for _ in range(-(-reps_of[m] // rounds)):
                 t0 = time.perf_counter()
                 fn()
                 ts[m].append(time.perf_counter() - t0)
@@ -258,22 +325,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--models", default="mlp,cnn,mlp10m")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--opake-reps", type=int, default=None,
+                    help="timed steps for the opake methods (default --reps; its eager step takes seconds)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (1 avoids OpenMP stragglers when another process holds the cores)")
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         return run_case(args.case)
-    torch.set_num_threads(2)
-    print("uptime:", os.popen("uptime").read().strip())
+    torch.set_num_threads(args.threads)
+    print("uptime:", os.popen("uptime").read().strip(), f"| torch threads: {args.threads}")
     rows = []
     for mname in args.models.split(","):
         methods = args.methods.split(",")
+        if not opake_available() and any(m.startswith("opake_") for m in methods):
+            print("  opake not importable here: skipping", ", ".join(m for m in methods if m.startswith("opake_")),
+                  "(install it in benchmarks/.venv-opake, see RESULTS.md)")
+            methods = [m for m in methods if not m.startswith("opake_")]
         steps = {m: make_step(mname, m)[0] for m in methods}
-        times = time_interleaved(steps, args.reps, rounds=args.rounds)
+        reps = {m: args.opake_reps if m.startswith("opake_") and args.opake_reps else args.reps for m in methods}
+        times = time_interleaved(steps, reps, rounds=args.rounds)
         for method in methods:
             t, tmin = times[method]
             rows.append({"model": mname, "method": method, "s_per_step": t, "s_min": tmin})
-            print(f"  {mname:7s} {method:15s} {t * 1e3:9.2f} ms (min {tmin * 1e3:.2f})", flush=True)
+            print(f"  {mname:7s} {method:20s} {t * 1e3:9.2f} ms (min {tmin * 1e3:.2f}, "
+                  f"{-(-reps[method] // args.rounds) * args.rounds} timed steps)", flush=True)
         del steps
     if not args.no_rss:
         env = dict(os.environ)
