@@ -69,7 +69,7 @@ def make_opake_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, method: 
     from opake.random import key
 
     b = x.shape[0]
-    ce = nn.CrossEntropyLoss()
+    ce = SequenceCrossEntropy() if model_name.startswith("gpt") else nn.CrossEntropyLoss()
     params = {k: v.detach() for k, v in model.named_parameters()}
     names = list(params)
 
@@ -133,9 +133,25 @@ class GPTLike(nn.Module):
             self.head.weight = self.tok.weight
 
     def forward(self, x):
-        positions = torch.arange(x.shape[1], device=x.device).expand_as(x)  # per-example position ids
+        positions = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0], 1)  # per-example position ids
         h = self.tok(x) + self.pos(positions)
-        return self.head(self.lnf(self.blocks(h))).reshape(-1, self.head.out_features)
+        return self.head(self.lnf(self.blocks(h)))
+
+
+class SequenceCrossEntropy(nn.Module):
+    """Next-token cross entropy averaged over each sequence: one loss per example (what Opacus's
+    ghost criterion needs with ``reduction = "none"``), reduced over the batch by ``reduction``."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, y):
+        per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        per_example = per_token.reshape(y.shape).mean(dim=1)
+        if self.reduction == "none":
+            return per_example
+        return per_example.sum() if self.reduction == "sum" else per_example.mean()
 
 
 def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
@@ -159,11 +175,11 @@ def make_step(model_name: str, method: str):
     model, shape, b = make_model(model_name)
     if model_name.startswith("gpt"):  # token ids in, next-token targets (one per position) out
         x = torch.randint(0, 4096, (b, *shape))
-        y = torch.randint(0, 4096, (b * shape[0],))
+        y = torch.randint(0, 4096, (b, *shape))
     else:
         x = torch.randn(b, *shape)
         y = torch.randint(0, 10, (b,))
-    ce = nn.CrossEntropyLoss()
+    ce = SequenceCrossEntropy() if model_name.startswith("gpt") else nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     if method == "plain":
@@ -178,7 +194,7 @@ def make_step(model_name: str, method: str):
 
     if method.startswith("opacus"):
         from opacus import PrivacyEngine
-        dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=b)
+        dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(len(x))), batch_size=b)
         pe = PrivacyEngine()
         if method == "opacus_ghost":
             m, o, crit, _ = pe.make_private(module=model, optimizer=opt, data_loader=dl, criterion=ce,
