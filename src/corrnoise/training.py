@@ -217,8 +217,8 @@ def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epoc
         strategy, batching, steps, guarantee, planned = plan_mechanism(
             mechanism, pipeline, num_examples=num_examples, batch_size=batch_size, epochs=epochs, steps=None,
             epsilon=epsilon, delta=delta, progress=progress)
-        return {"mechanism": strategy, "batching": batching, "label": mechanism if mechanism != "auto" else
-                strategy.label, "noise": {"guarantee": guarantee}, "steps": steps, "plan": planned,
+        return {"mechanism": strategy, "batching": batching, "label": planned.recommended.mechanism,
+                "noise": {"guarantee": guarantee}, "steps": steps, "plan": planned,
                 "candidates": [c.to_dict() for c in planned.candidates]}
     from .planner import FAMILIES as PLANNED
     from .strategies import parse_strategy
