@@ -161,3 +161,20 @@ def test_distributed_needs_a_process_group():
         front.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), DataLoader(_data(), batch_size=B),
                            mechanism="bsr:2", noise_std=1.0, delta=1e-5, max_grad_norm=1.0, steps=2,
                            batching="cyclic", distributed=True)
+
+
+def test_planned_mechanisms_are_refused_in_distributed_runs():
+    """The planner screens with fresh Monte Carlo samples: every rank planning for itself could pick
+    a different mechanism, so auto / families are refused once a process group is up."""
+    import torch.distributed as dist
+
+    from corrnoise.torch import front
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        m = nn.Linear(3, 1)
+        with pytest.raises(CorrnoiseError, match="^mechanism: 'auto' would be planned on every rank"):
+            front.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), DataLoader(_data(), batch_size=B),
+                               mechanism="auto", epsilon=4.0, delta=1e-5, max_grad_norm=1.0, epochs=1)
+    finally:
+        dist.destroy_process_group()

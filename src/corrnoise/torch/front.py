@@ -143,6 +143,10 @@ def make_private(
         seed = _shared_sampler_seed(seed, group)
     loader_epochs = epochs
     if isinstance(mechanism, str) and _is_planned(mechanism):
+        if on:  # the planner's screening is randomized: ranks could choose different mechanisms
+            raise CorrnoiseError("mechanism", f"{mechanism!r} would be planned on every rank (the planner's Monte "
+                                 "Carlo screening could pick different mechanisms); plan once (corrnoise plan --out "
+                                 "DIR) and pass the mechanism file with its batching and epsilon")
         if guarantee is not None or epsilon is None:
             raise CorrnoiseError("mechanism", f"{mechanism!r} is chosen by the planner for a target: give epsilon "
                                  "(or name a mechanism to use a given noise)")
