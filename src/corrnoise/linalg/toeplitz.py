@@ -59,6 +59,32 @@ def prefix_sqrt_inverse_coefficients(n: int) -> np.ndarray:
     return out
 
 
+def bisr_inverse_coefficients(bands: int) -> np.ndarray:
+    """First column of the banded C^{-1} of BISR (Banded Inverse Square Root, Kalinin et al. 2025,
+    cited in seed 003 Sec. 5): the first ``bands`` coefficients of A_pre^{-1/2}, zeros after.
+
+    c'_0 = 1 and c'_t = (-1)^t binom(1/2, t) < 0 for t >= 1 (tutorial Eq. 2.11 and Remark 2.6).
+    """
+    bands = check_int("bands", bands, minimum=1)
+    return prefix_sqrt_inverse_coefficients(bands)
+
+
+def bisr_coefficients(bands: int, n: int) -> np.ndarray:
+    """First column of BISR's C, length n: the power-series inverse (tutorial Sec. 2.9) of the
+    truncated A_pre^{-1/2} series q(x) = sum_{t < bands} c'_t x^t (Kalinin et al. 2025).
+
+    Every coefficient is >= 0 in exact arithmetic: q(x) = 1 - a(x) with a_t = -c'_t > 0 and
+    a(1) = 1 - q(1) < 1 (the partial sums of sqrt(1 - x) at x = 1 stay positive, tutorial
+    Eq. 2.11), so 1 / q = sum_j a(x)^j has non-negative coefficients. The short-series path of
+    :func:`series_inverse` (an IIR filter of positive terms) keeps that sign exactly; the FFT
+    (Newton) path for many bands can leave round-off of either sign (|.| ~ 1e-16) where the true
+    value is below it, and those entries are set to 0 (closer to the exact value than a negative).
+    """
+    n = check_int("n", n, minimum=1)
+    c = series_inverse(bisr_inverse_coefficients(bands), n)
+    return np.maximum(c, 0.0)
+
+
 def series_multiply(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
     """First n coefficients of the product series a(x) b(x): the first column of T_a T_b."""
     a = np.asarray(a, dtype=np.float64)[:n]

@@ -1,4 +1,5 @@
-"""Toeplitz strategies: general, identity, prefix, A^{1/2}, banded square root, BLT, DP-CGD."""
+"""Toeplitz strategies: general, identity, prefix, A^{1/2}, banded square root, banded inverse
+square root, BLT, DP-CGD."""
 
 from __future__ import annotations
 
@@ -209,6 +210,81 @@ class BandedSqrt(Toeplitz):
     def with_n(self, n):
         n = check_int("n", n, minimum=1)
         return type(self)(n, min(self._bands, n))
+
+
+class BandedInverseSqrt(Toeplitz):
+    """``bisr:P``: Banded Inverse Square Root (Kalinin et al. 2025, cited in seed 003 Sec. 5).
+
+    C^{-1} is the lower-triangular Toeplitz matrix of the first P coefficients of A_pre^{-1/2}
+    (:func:`~corrnoise.linalg.toeplitz.bisr_inverse_coefficients`), so C^{-1} has P bands while
+    C itself is dense: its coefficients are the power-series inverse of that truncated series
+    (:func:`~corrnoise.linalg.toeplitz.bisr_coefficients`), all >= 0. P = n gives A_pre^{1/2}.
+
+    The noise (C^{-1} Z)[t] = sum_{j < P} c'_j Z[t - j] is regenerated from the key: P seed-noise
+    rows per step, no buffers (seed 003 Sec. 4). Products and streams use the P taps of C^{-1}
+    (FIR for C^{-1}, IIR for C), never C's n coefficients.
+    """
+
+    kind = "bisr"
+
+    def __init__(self, n: int, bands: int):
+        n = check_int("n", n, minimum=1)
+        bands = check_int("bands", bands, minimum=1)
+        if bands > n:
+            raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
+        self._inverse_bands = bands
+        self._q = tp.bisr_inverse_coefficients(bands)
+        super().__init__(tp.bisr_coefficients(bands, n), n, inverse_coefficients=self._q)
+
+    @property
+    def label(self):
+        return f"bisr:{self._inverse_bands}"
+
+    @property
+    def inverse_bands(self) -> int:
+        """P: the number of bands of C^{-1}."""
+        return self._inverse_bands
+
+    @property
+    def bands(self) -> int:
+        """Bands of C: 1 for P = 1 (C = I), else n (every coefficient of C is > 0 in exact
+        arithmetic, even where it underflows to 0 in float64, e.g. 2^-t for P = 2)."""
+        return 1 if self._inverse_bands == 1 else self.n
+
+    def multiply(self, x):
+        """C x as the IIR filter with the P taps of C^{-1} (tutorial Alg. 2.1)."""
+        return tp.toeplitz_solve(self._q, self._check_rows("x", x, self.n))
+
+    def inverse_multiply(self, z):
+        """C^{-1} z as the FIR filter with the P taps of C^{-1}."""
+        return tp.toeplitz_matmul(self._q, self._check_rows("z", z, self.n))
+
+    def multiply_stream(self):
+        return ToeplitzStream(self._q, self.n, inverse=True)
+
+    def inverse_stream(self):
+        return ToeplitzStream(self._q, self.n)
+
+    def noise_stream(self) -> NoiseStream:
+        """Regeneration of the P non-zero taps of C^{-1}: O(P m) time per step, O(1) extra rows."""
+        return self.regeneration_stream()
+
+    def regeneration_stream(self) -> NoiseStream:
+        return NoiseStream.regenerate(inverse_toeplitz=self._q.copy())
+
+    def params(self):
+        return {"bands": self._inverse_bands}
+
+    def arrays(self):
+        return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(n, int(params["bands"]))
+
+    def with_n(self, n):
+        n = check_int("n", n, minimum=1)
+        return type(self)(n, min(self._inverse_bands, n))
 
 
 class BLT(Toeplitz):
