@@ -42,7 +42,7 @@ def run(gen, steps):
 ALL = random_strategies(N, seed=3)
 EXPECTED_KIND = {
     "identity": IidGenerator, "prefix": RegenerateGenerator, "toeplitz-sqrt": RegenerateGenerator,
-    "bsr": BandedGenerator, "dpcgd": DPCGDGenerator, "blt": BLTGenerator, "toeplitz": RegenerateGenerator,
+    "bsr": BandedGenerator, "bisr": RegenerateGenerator, "dpcgd": DPCGDGenerator, "blt": BLTGenerator, "toeplitz": RegenerateGenerator,
     "dense": RegenerateGenerator, "banded": BandedGenerator, "tree": RegenerateGenerator,
 }
 
@@ -273,6 +273,10 @@ PINNED = {  # label|method|dtype: (generator kind, sha256[:24] of the n x m rows
     'bsr:4|auto|float32': ('banded', 'bf2a21f6a09346d066c1b121', '-0x1.e61fdc0000000p+0'),
     'bsr:4|regenerate|float64': ('regenerate', 'd97c99d15efd8e40f8dafe6b', '0x1.15f310dc0f15cp+1'),
     'bsr:4|regenerate|float32': ('regenerate', 'e70b88d6340e3cb1a14cd21d', '-0x1.e61fdc0000000p+0'),
+    'bisr:3|auto|float64': ('regenerate', '510a6310bde13e33b5584df2', '0x1.067b32d24a62cp+1'),
+    'bisr:3|auto|float32': ('regenerate', '26c62d72d271ea71917ed194', '-0x1.84b8f80000000p+0'),
+    'bisr:3|regenerate|float64': ('regenerate', '510a6310bde13e33b5584df2', '0x1.067b32d24a62cp+1'),
+    'bisr:3|regenerate|float32': ('regenerate', '26c62d72d271ea71917ed194', '-0x1.84b8f80000000p+0'),
     'dpcgd:0.6|auto|float64': ('dpcgd', '208a8d6e6832d064a4ea5a5e', '0x1.1ca6dcbcd99a1p+1'),
     'dpcgd:0.6|auto|float32': ('dpcgd', '49cee5724137bb0d4e1274b6', '-0x1.4c53b20000000p+0'),
     'dpcgd:0.6|regenerate|float64': ('regenerate', '208a8d6e6832d064a4ea5a5e', '0x1.1ca6dcbcd99a1p+1'),
