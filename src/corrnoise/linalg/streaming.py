@@ -73,7 +73,7 @@ class ToeplitzStream:
             hist.appendleft(y)
         else:
             y = self.c[0] * x + acc
-            hist.appendleft(np.asarray(x, dtype=np.float64))
+            hist.appendleft(np.array(x, dtype=np.float64))  # a copy: callers may reuse x (losses.py does)
         return y, (t + 1, hist)
 
 
@@ -105,7 +105,7 @@ class BandedStream:
             hist.appendleft(y)
         else:
             y = row[0] * x + acc
-            hist.appendleft(np.asarray(x, dtype=np.float64))
+            hist.appendleft(np.array(x, dtype=np.float64))  # a copy: callers may reuse x (losses.py does)
         return y, (t + 1, hist)
 
 
