@@ -5,9 +5,9 @@ from .colnorm import ColumnNormalized
 from .dense import Banded, Dense, Tree
 from .io import load_mechanism, save_mechanism
 from .registry import parse_strategy
-from .toeplitz import BLT, DPCGD, BandedInverseSqrt, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
+from .toeplitz import BLT, DPCGD, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
 
 __all__ = [
-    "BLT", "DPCGD", "Banded", "BandedInverseSqrt", "BandedSqrt", "ColumnNormalized", "Dense", "Identity", "Prefix",
+    "BLT", "DPCGD", "Banded", "BandedInverse", "BandedInverseSqrt", "BandedSqrt", "ColumnNormalized", "Dense", "Identity", "Prefix",
     "Strategy", "Toeplitz", "ToeplitzSqrt", "Tree", "load_mechanism", "parse_strategy", "save_mechanism",
 ]

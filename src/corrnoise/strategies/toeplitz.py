@@ -212,44 +212,46 @@ class BandedSqrt(Toeplitz):
         return type(self)(n, min(self._bands, n))
 
 
-class BandedInverseSqrt(Toeplitz):
-    """``bisr:P``: Banded Inverse Square Root (Kalinin et al. 2025, cited in seed 003 Sec. 5).
+class BandedInverse(Toeplitz):
+    """A Toeplitz C whose inverse has P bands: C^{-1} = T_q for given q = (q_0, ..., q_{P-1})
+    (``bandinv:P`` optimizes q, :mod:`corrnoise.optimize.banded_inverse`; Kalinin et al. 2025).
 
-    C^{-1} is the lower-triangular Toeplitz matrix of the first P coefficients of A_pre^{-1/2}
-    (:func:`~corrnoise.linalg.toeplitz.bisr_inverse_coefficients`), so C^{-1} has P bands while
-    C itself is dense: its coefficients are the power-series inverse of that truncated series
-    (:func:`~corrnoise.linalg.toeplitz.bisr_coefficients`), all >= 0. P = n gives A_pre^{1/2}.
-
-    The noise (C^{-1} Z)[t] = sum_{j < P} c'_j Z[t - j] is regenerated from the key: P seed-noise
-    rows per step, no buffers (seed 003 Sec. 4). Products and streams use the P taps of C^{-1}
-    (FIR for C^{-1}, IIR for C), never C's n coefficients.
+    C is dense (its coefficients are the power-series inverse of q, tutorial Sec. 2.9) and is
+    never needed for the noise: (C^{-1} Z)[t] = sum_{j < P} q_j Z[t - j] is regenerated from
+    the key, P seed-noise rows per step and no buffers (seed 003 Sec. 4). Products and streams
+    use the P taps of C^{-1} (FIR for C^{-1}, IIR for C), never C's n coefficients.
     """
 
-    kind = "bisr"
+    kind = "bandinv"
 
-    def __init__(self, n: int, bands: int):
+    def __init__(self, n: int, inverse_coefficients, coefficients: np.ndarray | None = None):
         n = check_int("n", n, minimum=1)
-        bands = check_int("bands", bands, minimum=1)
-        if bands > n:
-            raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
-        self._inverse_bands = bands
-        self._q = tp.bisr_inverse_coefficients(bands)
-        super().__init__(tp.bisr_coefficients(bands, n), n, inverse_coefficients=self._q)
+        q = check_finite_array("inverse_coefficients", inverse_coefficients, ndim=1)
+        if q.size == 0 or q[0] == 0.0:
+            raise CorrnoiseError("inverse_coefficients", "q_0 must be non-zero (otherwise C^-1 is singular)")
+        q = q[: max(tp.effective_length(q), 1)]
+        if q.size > n:
+            raise CorrnoiseError("bands", f"C^-1 has {q.size} bands, more than n = {n}")
+        self._q = q.copy()
+        c = tp.series_inverse(q, n) if coefficients is None else coefficients
+        if not np.all(np.isfinite(c)):
+            raise CorrnoiseError("inverse_coefficients", "C = T_q^-1 overflows (q has a root inside the unit disk)")
+        super().__init__(c, n, inverse_coefficients=q)
 
     @property
     def label(self):
-        return f"bisr:{self._inverse_bands}"
+        return f"bandinv:{self.inverse_bands}"
 
     @property
     def inverse_bands(self) -> int:
         """P: the number of bands of C^{-1}."""
-        return self._inverse_bands
+        return int(self._q.size)
 
     @property
     def bands(self) -> int:
-        """Bands of C: 1 for P = 1 (C = I), else n (every coefficient of C is > 0 in exact
-        arithmetic, even where it underflows to 0 in float64, e.g. 2^-t for P = 2)."""
-        return 1 if self._inverse_bands == 1 else self.n
+        """Bands of C: 1 when C^{-1} is diagonal, else n (C = T_q^{-1} is dense in exact
+        arithmetic even where a coefficient underflows to 0 in float64)."""
+        return 1 if self.inverse_bands == 1 else self.n
 
     def multiply(self, x):
         """C x as the IIR filter with the P taps of C^{-1} (tutorial Alg. 2.1)."""
@@ -273,10 +275,45 @@ class BandedInverseSqrt(Toeplitz):
         return NoiseStream.regenerate(inverse_toeplitz=self._q.copy())
 
     def params(self):
-        return {"bands": self._inverse_bands}
+        return {"inverse_coefficients": self._q.tolist()}
 
     def arrays(self):
         return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(n, np.asarray(params["inverse_coefficients"], dtype=np.float64))
+
+    def with_n(self, n):
+        """The same taps for n steps (truncated to n bands when n is smaller)."""
+        n = check_int("n", n, minimum=1)
+        return BandedInverse(n, self._q[:n])
+
+
+class BandedInverseSqrt(BandedInverse):
+    """``bisr:P``: Banded Inverse Square Root (Kalinin et al. 2025, cited in seed 003 Sec. 5).
+
+    C^{-1} is the lower-triangular Toeplitz matrix of the first P coefficients of A_pre^{-1/2}
+    (:func:`~corrnoise.linalg.toeplitz.bisr_inverse_coefficients`); C is its power-series
+    inverse (:func:`~corrnoise.linalg.toeplitz.bisr_coefficients`), dense with all coefficients
+    >= 0. P = n gives A_pre^{1/2}. Noise, products and streams as :class:`BandedInverse`.
+    """
+
+    kind = "bisr"
+
+    def __init__(self, n: int, bands: int):
+        n = check_int("n", n, minimum=1)
+        bands = check_int("bands", bands, minimum=1)
+        if bands > n:
+            raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
+        super().__init__(n, tp.bisr_inverse_coefficients(bands), coefficients=tp.bisr_coefficients(bands, n))
+
+    @property
+    def label(self):
+        return f"bisr:{self.inverse_bands}"
+
+    def params(self):
+        return {"bands": self.inverse_bands}
 
     @classmethod
     def from_params(cls, n, params, arrays):
@@ -284,7 +321,7 @@ class BandedInverseSqrt(Toeplitz):
 
     def with_n(self, n):
         n = check_int("n", n, minimum=1)
-        return type(self)(n, min(self._inverse_bands, n))
+        return type(self)(n, min(self.inverse_bands, n))
 
 
 class BLT(Toeplitz):
