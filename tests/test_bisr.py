@@ -207,3 +207,52 @@ def test_amplified_accounting_passes_the_nonnegativity_gate():
     plain = account(s, NoBatching(Cyclic(8, 2)), noise_std=2.0, delta=1e-6)  # the same 8 participations
     assert plain.method == "gaussian"
     assert math.isfinite(amp.epsilon) and 0.0 < amp.epsilon < plain.epsilon
+
+
+# --- bandinv:P (optimized banded-Toeplitz C^{-1}) -----------------------------------------------
+def test_bandinv_objective_gradient_matches_finite_differences():
+    from corrnoise.optimize.banded_inverse import banded_inverse_rms_objective
+
+    n = 30
+    rng = np.random.default_rng(0)
+    for p in (2, 4, 8):
+        x = rng.uniform(-0.3, 0.0, p - 1)
+        f, g = banded_inverse_rms_objective(np.concatenate([[1.0], x]), n)
+        for j in range(p - 1):
+            h = np.zeros(p - 1)
+            h[j] = 1e-6
+            fp = banded_inverse_rms_objective(np.concatenate([[1.0], x + h]), n)[0]
+            fm = banded_inverse_rms_objective(np.concatenate([[1.0], x - h]), n)[0]
+            assert (fp - fm) / 2e-6 == pytest.approx(g[j], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("n,bands", [(1, 1), (16, 2), (48, 4), (64, 8)])
+def test_bandinv_losses_equal_dense_and_beat_bisr(n, bands, tmp_path):
+    s = parse_strategy(f"bandinv:{bands}", n)
+    assert s.label == f"bandinv:{bands}" and s.kind == "bandinv" and s.inverse_bands == bands
+    q = s.inverse_coefficients[:bands]
+    Cinv = sla.toeplitz(np.concatenate([q, np.zeros(n - bands)]), np.zeros(n))
+    C = sla.solve_triangular(Cinv, np.eye(n), lower=True)
+    np.testing.assert_allclose(s.matrix(), C, rtol=1e-10, atol=1e-12)
+    B = np.tril(np.ones((n, n))) @ Cinv
+    sens = np.sqrt(np.max(np.sum(C**2, axis=0)))
+    r = loss_report(s)
+    assert r.sensitivity == pytest.approx(sens, rel=1e-10)
+    assert r.rms_loss == pytest.approx(sens * np.linalg.norm(B) / np.sqrt(n), rel=1e-10)
+    assert r.rms_loss <= loss_report(parse_strategy(f"bisr:{bands}", n)).rms_loss * (1 + 1e-12)
+    assert s.is_nonnegative() == bool(np.all(C >= 0))
+    loaded = load_mechanism(save_mechanism(s, tmp_path / "bi.json"))
+    assert type(loaded) is type(s) and loaded.params() == s.params()
+    np.testing.assert_array_equal(loaded.matrix(), s.matrix())
+    gen = make_generator(s, M, noise_std=NU, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)
+    assert gen.kind == "regenerate"
+    got = np.stack([gen.next_flat().numpy() for _ in range(n)])
+    want = _materialized_noise(Cinv)
+    assert np.max(np.abs(got - want)) <= 1e-10 * max(1.0, np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("name", ["bandinv:0", "bandinv:11", "bandinv:x"])
+def test_bandinv_bad_names_name_the_bands(name):
+    with pytest.raises(CorrnoiseError) as err:
+        parse_strategy(name, 10)
+    assert err.value.param == "bands"
