@@ -42,7 +42,7 @@ def _progress_display(enabled: bool, title: str):
 @click.command("optimize")
 @click.argument("kind", metavar="KIND")
 @click.option("--n", "n", type=int, required=True, help="Number of steps (iterations).")
-@click.option("--bands", type=int, default=None, help="Number of bands (banded, banded-toeplitz).")
+@click.option("--bands", type=int, default=None, help="Number of bands (banded, banded-toeplitz; bandinv: bands of C^-1).")
 @click.option("--buffers", type=int, default=None, help="BLT buffers d (1..10; default: grow while it helps).")
 @click.option("--participation", default="single", show_default=True, help="single | cyclic:K:B | minsep:K:B")
 @click.option("--objective", default="rms", show_default=True, help="rms | max")
@@ -51,7 +51,7 @@ def _progress_display(enabled: bool, title: str):
 @click.option("--out", "out", default=None, help="Mechanism file to write (.json; dense/banded arrays go to a sibling .npz).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def optimize_command(kind, n, bands, buffers, participation, objective, workload, colnorm, out, as_json):
-    """Optimize a KIND strategy (dense, banded, banded-toeplitz, blt) and write a mechanism file."""
+    """Optimize a KIND strategy (dense, banded, banded-toeplitz, blt, bandinv) and write a mechanism file."""
     if out is not None and not str(out).endswith(".json"):
         raise CorrnoiseError("out", f"mechanism files end in .json, got {out!r}")
     show = (not as_json) and sys.stderr.isatty()

@@ -14,7 +14,7 @@ from ..errors import CorrnoiseError, check_int
 
 __all__ = ["KINDS", "run_optimize", "validate_strategy"]
 
-KINDS = ("dense", "banded", "banded-toeplitz", "blt")
+KINDS = ("dense", "banded", "banded-toeplitz", "blt", "bandinv")
 
 
 def validate_strategy(strategy) -> None:
@@ -60,7 +60,7 @@ def run_optimize(kind: str, n: int, bands=None, buffers=None, participation: str
     objective = check_objective(objective)
     wl = check_workload(workload)
     on_fraction, on_iteration = progress or (None, None)
-    if kind in ("banded", "banded-toeplitz"):
+    if kind in ("banded", "banded-toeplitz", "bandinv"):
         if bands is None:
             raise CorrnoiseError("bands", f"is required for {kind} (e.g. --bands 32)")
         bands = check_int("bands", bands, minimum=1)
@@ -92,6 +92,13 @@ def run_optimize(kind: str, n: int, bands=None, buffers=None, participation: str
 
         strategy = optimize_banded_toeplitz(n, bands, participation=schema, objective=objective, workload=wl,
                                             column_normalize=bool(colnorm), progress=on_iteration)
+    elif kind == "bandinv":
+        from ..strategies.toeplitz import BandedInverse
+        from .banded_inverse import optimize_banded_inverse
+
+        if schema.spec != "single" or objective != "rms":
+            raise CorrnoiseError("kind", "bandinv is optimized for the RMS loss under single participation only")
+        strategy = BandedInverse(n, optimize_banded_inverse(n, bands))
     else:
         from .blt import optimize_blt
 

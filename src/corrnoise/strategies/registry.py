@@ -14,7 +14,7 @@ from .io import load_mechanism
 from .toeplitz import BLT, DPCGD, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, ToeplitzSqrt
 
 NAMES_HELP = (
-    "identity (or dpsgd), prefix, toeplitz-sqrt, bsr:B, bisr:P, bandinv:P, dpcgd:BETA, tree, blt:A1,A2,...:L1,L2,..., "
+    "identity (or dpsgd), prefix, toeplitz-sqrt, bsr:B, bisr:P, dpcgd:BETA, tree, blt:A1,A2,...:L1,L2,..., "
     "matrix:PATH.npy or a mechanism file (.json), optionally with a +colnorm suffix"
 )
 
@@ -53,14 +53,6 @@ def parse_strategy(name: str, n: int) -> Strategy:
         except ValueError:
             raise CorrnoiseError("bands", f"bisr:P needs an integer P, got {rest!r}") from None
         return BandedInverseSqrt(n, bands)
-    if head == "bandinv" and rest:
-        from ..optimize.banded_inverse import optimize_banded_inverse
-
-        try:
-            bands = int(rest)
-        except ValueError:
-            raise CorrnoiseError("bands", f"bandinv:P needs an integer P, got {rest!r}") from None
-        return BandedInverse(n, optimize_banded_inverse(n, bands))
     if head == "dpcgd" and rest:
         return DPCGD(_float("beta", rest), n)
     if head == "blt" and rest:
