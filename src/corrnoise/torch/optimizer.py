@@ -182,12 +182,7 @@ def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: floa
     if isinstance(batching, NoBatching):
         accounted_steps = max(steps, planned_steps or steps)
     elif isinstance(batching, BallsInBins):
-        accounted_steps = balls_in_bins_accounted_steps(steps, batching.bins)
-        if accounted_steps > strategy.n:
-            raise CorrnoiseError(
-                "steps", f"{steps} steps of balls-in-bins:{batching.bins} are accounted as {accounted_steps} "
-                f"(whole epochs of {batching.bins} bins) but {strategy.label} has only n = {strategy.n} steps; "
-                f"build the mechanism for a multiple of {batching.bins} steps")
+        accounted_steps = balls_in_bins_accounted_steps(steps, batching.bins)  # MechanismEvent checks <= n
     else:
         accounted_steps = steps
     event = MechanismEvent(strategy, batching, noise_std=noise_std, steps=accounted_steps)
