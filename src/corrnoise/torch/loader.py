@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from ..errors import CorrnoiseError, check_int, check_real
 from ..sampling import BallsInBinsSampler, BatchSampler
 from ..strategies import Strategy
+from .optimizer import choose_batching
 
 __all__ = ["DPDataLoader", "BATCHINGS", "choose_batching"]
 
@@ -208,24 +209,6 @@ def _steps_per_epoch(sampler: BatchSampler, epochs, num_examples: int, batch_siz
     if isinstance(sampler, BallsInBinsSampler):
         return sampler.bins
     return max(1, round(num_examples / batch_size))
-
-
-def choose_batching(strategy: Strategy, num_examples: int, batch_size: int) -> str:
-    """``batching="auto"``: the amplified batching whose analysis suits C (issue #10 item 3).
-
-    DP-SGD (one band): Poisson sampling (PLD). A banded C whose bands fit as blocks
-    (bands * batch_size <= N): block-cyclic Poisson (tutorial Thm 3.21). Any other
-    non-negative C (BLT, DP-CGD, Toeplitz, dense): balls-in-bins with the verified Monte
-    Carlo guarantee (seed 000). Otherwise fixed batches in cyclic order, unamplified.
-    """
-    bands = min(int(strategy.bands), strategy.n)
-    if bands <= 1:
-        return "poisson"
-    if bands * batch_size <= num_examples and bands < strategy.n:
-        return "block-cyclic"
-    if strategy.rows == strategy.n and strategy.is_nonnegative():
-        return "balls-in-bins"
-    return "cyclic"
 
 
 def _sampling_for(batching: str, mechanism, num_examples: int, batch_size: int, epochs, steps) -> str:

@@ -205,6 +205,24 @@ def balls_in_bins_accounted_steps(steps: int, bins: int) -> int:
 SAMPLINGS = ("auto", "poisson", "block-cyclic", "cyclic", "balls-in-bins")
 
 
+def choose_batching(strategy: Strategy, num_examples: int, batch_size: int) -> str:
+    """``batching="auto"``: the amplified batching whose analysis suits C (issue #10 item 3).
+
+    DP-SGD (one band): Poisson sampling (PLD). A banded C whose bands fit as blocks
+    (bands * batch_size <= N): block-cyclic Poisson (tutorial Thm 3.21). Any other
+    non-negative C (BLT, DP-CGD, Toeplitz, dense): balls-in-bins with the verified Monte
+    Carlo guarantee (seed 000). Otherwise fixed batches in cyclic order, unamplified.
+    """
+    bands = min(int(strategy.bands), strategy.n)
+    if bands <= 1:
+        return "poisson"
+    if bands * batch_size <= num_examples and bands < strategy.n:
+        return "block-cyclic"
+    if strategy.rows == strategy.n and strategy.is_nonnegative():
+        return "balls-in-bins"
+    return "cyclic"
+
+
 def make_sampler(
     sampling: str,
     strategy_bands: int,
@@ -217,22 +235,14 @@ def make_sampler(
 ) -> BatchSampler:
     """The sampler for ``sampling`` with expected batch size ``batch_size``.
 
-    ``auto``: Poisson for a diagonal C; block-cyclic Poisson with blocks = bands when
-    batch_size * bands <= num_examples (tutorial Sec. 4.4.3: the preferred centralized schema);
-    otherwise cyclic fixed batches (no amplification). Steps default to ``epochs`` passes over
-    the data (num_examples / batch_size steps per epoch; N // B for cyclic batches).
+    ``sampling`` is one of SAMPLINGS without ``auto`` (``auto`` needs the mechanism:
+    :func:`choose_batching`). Steps default to ``epochs`` passes over the data
+    (num_examples / batch_size steps per epoch; N // B for cyclic batches).
     """
-    if sampling not in SAMPLINGS:
-        raise CorrnoiseError("sampling", f"must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
+    if sampling not in SAMPLINGS[1:]:
+        raise CorrnoiseError("sampling", f"must be one of {', '.join(SAMPLINGS[1:])}, got {sampling!r}")
     n_ex = check_int("num_examples", num_examples, minimum=1)
     b = check_int("batch_size", batch_size, minimum=1, maximum=n_ex)
-    if sampling == "auto":
-        if strategy_bands <= 1:
-            sampling = "poisson"
-        elif b * strategy_bands <= n_ex:
-            sampling = "block-cyclic"
-        else:
-            sampling = "cyclic"
     if (steps is None) == (epochs is None):
         raise CorrnoiseError("steps", "give exactly one of steps and epochs")
     if sampling == "cyclic":
@@ -304,6 +314,8 @@ def plan_private(
             check_real("epochs", epochs if epochs is not None else math.nan, low=0.0, low_open=True)
             * num_examples / batch_size)))
         probe = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, probe_steps)
+        if sampler == "auto":
+            sampler = choose_batching(probe, num_examples, batch_size)
         sampler = make_sampler(sampler, min(int(probe.bands), probe.n), num_examples, batch_size,
                                epochs=epochs if steps is None else None, steps=steps, seed=seed)
         run_steps = sampler.steps
