@@ -219,3 +219,25 @@ def test_balls_in_bins_with_one_bin_is_the_exact_gaussian_mechanism():
     assert r.method == "gaussian" and r.kind == "guarantee" and r.extras["exact"] is True
     cal = calibrate(strategy, "balls-in-bins:1", epsilon=want, delta=1e-6, method="mc")
     assert cal.noise_std == pytest.approx(6.0, rel=1e-8)
+
+
+def test_verification_margin_leaves_a_z_sigma_failure_rate():
+    """Independent check of verification_margin_z by simulation: the calibration puts its estimate
+    margin * se below the threshold; the fresh verification estimate (another sample, standard
+    error se * sqrt(m / s)) exceeds the threshold with probability Phi(-z)."""
+    import numpy as np
+    from scipy.stats import norm
+
+    from corrnoise.accounting.montecarlo.release import verification_margin_z
+
+    rng = np.random.default_rng(0)
+    se, m, s, z = 1.0, 1 << 24, 770_000, 3.0
+    margin = verification_margin_z(z, m, s)
+    true = -margin * se  # delta_hat_calibration = true + e1 sits at threshold - margin * se on average
+    e1 = rng.standard_normal(2_000_000) * se
+    e2 = rng.standard_normal(2_000_000) * se * np.sqrt(m / s)
+    # the calibration aims delta_hat_cal + margin*se = threshold (0); the truth is delta_hat_cal - e1
+    fail = np.mean((true - e1) + e2 > 0.0)
+    assert fail == pytest.approx(norm.sf(z), rel=0.1)
+    # the old margin (estimation sample only) failed far more often
+    assert np.mean((-z * se - e1) + e2 > 0.0) > 0.25
