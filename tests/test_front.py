@@ -409,3 +409,17 @@ def test_mechanism_auto_is_the_planners_choice_for_the_pipeline():
                               DataLoader(_data(80), batch_size=8), mechanism="dpsgd", batching="poisson",
                               epsilon=8.0, delta=1e-5, epochs=2, max_grad_norm=1.0)
     assert opt2.strategy.label == "identity" and opt2.batching.spec.startswith("poisson:")
+
+
+def test_step_without_a_captured_backward_is_refused():
+    """zero_grad() between backward() and step() would release pure noise for a real batch: refused."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = make_private(model, opt, DataLoader(_data(32), batch_size=8), noise_multiplier=1.0,
+                                      delta=1e-5, steps=2, max_grad_norm=1.0, mechanism="identity",
+                                      batching="cyclic")
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.zero_grad()
+    with pytest.raises(CorrnoiseError, match="^optimizer: step\\(\\) found no backward pass"):
+        opt.step()

@@ -136,6 +136,9 @@ class DPOptimizer(torch.optim.Optimizer):
                     for p in self.params]
             norms = torch.zeros(0)
         else:
+            if not self.engine._backward_seen:
+                raise CorrnoiseError("optimizer", "step() found no backward pass for this batch: call loss.backward() "
+                                     "before optimizer.step() (zero_grad() drops what backward captured)")
             sums, norms = self.engine.clipped_sum(size, weights=self.context.mask)
         self.engine.clear()
         if self._sums is None:
