@@ -70,6 +70,7 @@ def train(
     max_physical_batch_size: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     plan_plot: str | None = None,
+    choice: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan, calibrate, train and evaluate; returns the ``corrnoise train`` JSON object.
 
@@ -80,7 +81,9 @@ def train(
     take the dataset's defaults. ``seed`` fixes the data order and the model initialization;
     the noise seed is secret (from the OS) unless ``noise_seed`` is given. ``plan_plot``: a .png
     path for the planner's picture (error vs epsilon, the chosen C) when the planner chose.
-    The result's ``history`` is the test accuracy after every pass over the data.
+    The result's ``history`` is the test accuracy after every pass over the data. ``choice``: a
+    :func:`choose_mechanism` result to train instead of choosing again (benchmarks train several
+    seeds on one plan; ``mechanism`` is then only its label).
     """
     import torch
     from torch.utils.data import DataLoader
@@ -114,8 +117,9 @@ def train(
     n_ex = len(data.y_train)
     batch = check_int("batch_size", hp["batch_size"], minimum=1, maximum=n_ex)
 
-    choice = choose_mechanism(mechanism, num_examples=n_ex, batch_size=batch, epochs=epochs, epsilon=epsilon,
-                              delta=delta, pipeline=batching, progress=progress)
+    if choice is None:
+        choice = choose_mechanism(mechanism, num_examples=n_ex, batch_size=batch, epochs=epochs, epsilon=epsilon,
+                                  delta=delta, pipeline=batching, progress=progress)
     if plan_plot is not None and choice.get("plan") is not None:
         from .planner.plot import plot_plan
 
@@ -202,6 +206,18 @@ def _accuracy(model, x, y, dev, chunk: int = 4096) -> float:
     return correct / max(len(y), 1)
 
 
+def candidate_choice(candidate, planned) -> dict[str, Any]:
+    """What to train for one of the planner's candidates (given its final guarantee, see
+    :func:`corrnoise.planner.finalize_candidate`): the :func:`choose_mechanism` dict."""
+    from .torch.front import planned_batching
+
+    if not candidate.final:
+        raise CorrnoiseError("candidate", f"{candidate.mechanism} under {candidate.batching} has no final guarantee")
+    return {"mechanism": candidate.strategy, "batching": planned_batching(candidate.batching),
+            "label": candidate.mechanism, "noise": {"guarantee": candidate.result}, "steps": planned.setup.n,
+            "plan": planned, "candidates": [c.to_dict() for c in planned.candidates]}
+
+
 def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epochs: float, epsilon: float,
                      delta: float, pipeline: str, progress=None) -> dict[str, Any]:
     """What to train: ``{"mechanism", "batching", "steps" | "epochs", "noise", "label", "candidates"}``.
@@ -214,12 +230,9 @@ def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epoc
     from .torch.front import _is_planned, plan_mechanism
 
     if _is_planned(mechanism):
-        strategy, batching, steps, guarantee, planned = plan_mechanism(
-            mechanism, pipeline, num_examples=num_examples, batch_size=batch_size, epochs=epochs, steps=None,
-            epsilon=epsilon, delta=delta, progress=progress)
-        return {"mechanism": strategy, "batching": batching, "label": planned.recommended.mechanism,
-                "noise": {"guarantee": guarantee}, "steps": steps, "plan": planned,
-                "candidates": [c.to_dict() for c in planned.candidates]}
+        planned = plan_mechanism(mechanism, pipeline, num_examples=num_examples, batch_size=batch_size, epochs=epochs,
+                                 steps=None, epsilon=epsilon, delta=delta, progress=progress)[-1]
+        return candidate_choice(planned.recommended, planned)
     from .planner import FAMILIES as PLANNED
     from .strategies import parse_strategy
 

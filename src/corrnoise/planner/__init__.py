@@ -22,11 +22,12 @@ from .core import (
     PlanResult,
     PlanSetup,
     error_curve,
+    finalize_candidate,
     make_setup,
     plan,
 )
 
 __all__ = [
     "BANDS", "BETAS", "BUFFERS", "FAMILIES", "PIPELINES", "SCREEN_DISCRETIZATION", "SCREEN_MC_SAMPLES",
-    "Candidate", "PlanResult", "PlanSetup", "error_curve", "make_setup", "plan",
+    "Candidate", "PlanResult", "PlanSetup", "error_curve", "finalize_candidate", "make_setup", "plan",
 ]

@@ -30,5 +30,11 @@ MAX_DENSE_N = 256
 MAX_TREE_N = 4096
 #: A noise multiplier beyond this counts as "epsilon not reachable" (the accounting search range).
 MAX_NOISE_MULTIPLIER = 1e6
+#: DP-SGD is recommended unless a correlated candidate's rms_error is at least this fraction
+#: lower. rms_error is a proxy (the prefix-sum workload at one clip norm); a gap below 2% is
+#: inside what it can resolve, and measured on Fashion-MNIST at epsilon 1 (benchmarks/RESULTS.md)
+#: bandmf:2 at 0.17% below DP-SGD trained 1 point worse. DP-SGD is the simpler mechanism:
+#: independent noise, exact PLD accounting, no state.
+DPSGD_TIE_MARGIN = 0.02
 #: Final re-calibrations at most (each may be a verified Monte Carlo run).
 MAX_FINALIZE = 4

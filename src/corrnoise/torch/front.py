@@ -239,5 +239,11 @@ def plan_mechanism(mechanism: str, batching: str, *, num_examples: int, batch_si
                   pipeline=_PIPELINE_OF[batching], only=None if mechanism == "auto" else (mechanism,),
                   progress=progress)
     rec = result.recommended
-    head = rec.batching.split(":", 1)[0]
-    return rec.strategy, {"none": "cyclic"}.get(head, head), result.setup.n, rec.result, result
+    return rec.strategy, planned_batching(rec.batching), result.setup.n, rec.result, result
+
+
+def planned_batching(spec: str) -> str:
+    """The front door's batching name for a planner batching spec (``poisson:P`` -> ``poisson``,
+    ``none`` (unamplified, the pipeline's participation) -> ``cyclic``)."""
+    head = spec.split(":", 1)[0]
+    return {"none": "cyclic"}.get(head, head)
