@@ -194,3 +194,16 @@ def test_fashion_mnist_epsilon_1_tie_recommends_dpsgd():
     assert low.recommended.family == "dpsgd"
     assert best_bandmf < low.recommended.rms_error  # the proxy alone would have picked bandmf
     assert plan(epsilon=8.0, **kw).recommended.mechanism == "bandmf:8"
+
+
+def test_dpcgd_offers_each_beta_plain_and_column_normalized():
+    from corrnoise.planner import BETAS
+    from corrnoise.strategies import parse_strategy
+
+    result = plan(steps=40, epochs=4, epsilon=2.0, delta=1e-5, pipeline="cyclic", only="dpcgd", **FAST)
+    names = {c.mechanism for c in result.candidates}
+    assert names == {f"dpcgd:{b:g}" for b in BETAS} | {f"dpcgd:{b:g}+colnorm" for b in BETAS}
+    best = min(_feasible(result), key=lambda c: c.rms_error)
+    assert result.recommended.rms_error == pytest.approx(best.rms_error)
+    for c in result.candidates:  # each name rebuilds its strategy (mechanism files, train --mechanism)
+        assert parse_strategy(c.mechanism, 40).label == c.strategy.label
