@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -35,3 +37,10 @@ def random_strategies(n: int, seed: int = 0):
 @pytest.fixture
 def strategies_8():
     return random_strategies(8)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (for a test's torch.distributed rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

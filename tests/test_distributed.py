@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from corrnoise.errors import CorrnoiseError
 from corrnoise.noise import make_generator, seed_noise
 from corrnoise.strategies import BLT, DPCGD, Identity, parse_strategy
 from corrnoise.torch.distributed import shard_bounds
+from conftest import free_port
 
 M, STEPS, CHUNK, SEED = 37, 5, 8, 1234  # shards cut seed chunks: 37 = 19 + 18, chunks of 8
 START = os.environ.get("CORRNOISE_MP_START", "spawn")
@@ -52,12 +52,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_shard_bounds_partition():
     for m in (1, 7, 37, 100):
         for world in range(1, min(m, 6) + 1):
@@ -86,7 +80,7 @@ def test_sharded_noise_needs_process_group():
 
 
 def test_two_gloo_processes_gather_single_process_noise(tmp_path):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method=START)
+    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method=START)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, strategy in _strategies().items():
         single = make_generator(strategy, M, noise_std=1.5, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)

@@ -10,7 +10,6 @@ divisor -- moves the parameters away from the single-process run's, which is wha
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from corrnoise.errors import CorrnoiseError
+from conftest import free_port
 
 START = os.environ.get("CORRNOISE_MP_START", "spawn")
 WORLD = 2
@@ -105,16 +105,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method=START)
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method=START)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -170,7 +164,7 @@ def test_planned_mechanisms_are_refused_in_distributed_runs():
 
     from corrnoise.torch import front
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         m = nn.Linear(3, 1)
         with pytest.raises(CorrnoiseError, match="^mechanism: 'auto' would be planned on every rank"):
