@@ -34,6 +34,15 @@ def _emit(path: str, row: dict) -> None:
     print(json.dumps({k: v for k, v in row.items() if k not in ("history", "candidates")}), flush=True)
 
 
+class _Unpickler(__import__("pickle").Unpickler):
+    """Cached plans written before the tree moved (strategies.dense.Tree -> strategies.tree.Tree)."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("corrnoise.strategies.dense", "Tree"):
+            module = "corrnoise.strategies.tree"
+        return super().find_class(module, name)
+
+
 def plan_epsilon(eps: float, cache_dir: str | None = None):
     """One planner run over every family; each wanted family's best candidate finalized. With
     ``cache_dir`` the result is pickled there (a later run with other seeds trains on the same
@@ -45,7 +54,7 @@ def plan_epsilon(eps: float, cache_dir: str | None = None):
     cache = os.path.join(cache_dir, f"utility_plan_eps{eps:g}.pkl") if cache_dir else None
     if cache and os.path.exists(cache):
         with open(cache, "rb") as f:
-            return pickle.load(f)
+            return _Unpickler(f).load()
     t0 = time.perf_counter()
     planned = plan(dataset_size=N_TRAIN, batch_size=BATCH, epochs=EPOCHS, epsilon=eps, delta=DELTA, pipeline="auto")
     best = {}
