@@ -27,9 +27,10 @@ from .sensitivity import (
     sensitivity_dense,
     sensitivity_single,
     sensitivity_toeplitz_monotone,
+    sensitivity_tree,
 )
 from .linalg.banded import banded_errors_squared
-from .strategies import Banded, ColumnNormalized, Strategy, Toeplitz, Tree
+from .strategies import Banded, ColumnNormalized, OnlineTree, Strategy, Toeplitz, Tree
 from .workloads import Workload, prefix
 
 # Strategies without a structured path are materialized; beyond this n that is refused.
@@ -73,7 +74,8 @@ def _require_materializable(strategy: Strategy, what: str = "loss") -> None:
 
 
 def decoder_matrix(strategy: Strategy, workload: Workload | None = None) -> np.ndarray:
-    """B = A C^{-1} materialized (least-squares B = A pinv(C) for the tree)."""
+    """B = A C^{-1} materialized (C^{-1} the tree's decoder: A^{-1} B_tree for ``tree``,
+    pinv(C) for ``tree:full``)."""
     workload = workload or prefix()
     _require_materializable(strategy)
     return workload.apply(strategy.noising_matrix())
@@ -166,8 +168,8 @@ def error_summary(strategy: Strategy, workload: Workload | None = None) -> tuple
 def mechanism_sensitivity(strategy: Strategy, participation: Participation | str | None = None) -> Sensitivity:
     """sens(C, Pi) by the cheapest exact path available (tutorial Sec. 3.3.5).
 
-    Single participation: the max column norm (O(d^2) for BLT, Lemma 2.29(a)). Cyclic and
-    Min-Sep: bands <= b -> Lemma 3.16(b) (exact, Alg. 3.2 for Min-Sep); Toeplitz with
+    Single participation: the max column norm (O(d^2) for BLT, Lemma 2.29(a)). The binary
+    tree: :func:`corrnoise.sensitivity.sensitivity_tree`. Cyclic and Min-Sep: bands <= b -> Lemma 3.16(b) (exact, Alg. 3.2 for Min-Sep); Toeplitz with
     non-negative non-increasing coefficients -> Eq. 3.25 (exact); otherwise Lemma 3.15 on the
     materialized Gram matrix, exact when C^T C >= 0 on the patterns and an upper bound
     otherwise (``exact=False``).
@@ -180,6 +182,8 @@ def mechanism_sensitivity(strategy: Strategy, participation: Participation | str
             value_sq, method = closed
             return Sensitivity(math.sqrt(value_sq), True, method)
         return sensitivity_single(strategy.column_norms_squared())
+    if isinstance(strategy, (OnlineTree, Tree)):  # C_tree: O(n log n) without C
+        return sensitivity_tree(n, schema)
     if strategy.bands <= schema.b:
         return sensitivity_banded(strategy.column_norms_squared(), schema, n, strategy.bands)
     if _is_plain_toeplitz(strategy) and strategy.is_nonnegative_monotone():
@@ -215,5 +219,5 @@ def loss_report(
 
 __all__ = [
     "LossReport", "decoder_matrix", "error_summary", "loss_report", "mechanism_sensitivity",
-    "per_query_squared_error", "Tree",
+    "per_query_squared_error", "OnlineTree", "Tree",
 ]

@@ -137,6 +137,10 @@ class OnlineTree(_TreeC):
         return cls(n, str(params.get("decoding", "plain")))
 
     def with_n(self, n):
+        """The online tree for n steps. For n < self.n it is exactly this mechanism's first n
+        steps: those read only the complete nodes inside [0, n - 1], whose ids
+        (:func:`corrnoise.linalg.tree.node_id`) do not depend on the number of leaves, and
+        C_tree(n) holds every such node."""
         return OnlineTree(n, self.decoding)
 
 
