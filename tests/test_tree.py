@@ -223,3 +223,58 @@ def test_names_and_files(tmp_path):
     with pytest.raises(CorrnoiseError) as err:
         OnlineTree(9, "nope")
     assert err.value.param == "decoding"
+
+
+class _ZeroGradient(torch.nn.Module):
+    """Every per-example gradient is exactly 0, so the released update is the noise alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 8, bias=False)
+
+    def forward(self, x):
+        return self.lin(torch.zeros_like(x))
+
+
+def _released_noise(mechanism, **kw):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from corrnoise.torch.front import make_private
+
+    torch.manual_seed(0)
+    model = _ZeroGradient().double()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    data = TensorDataset(torch.randn(24, 5, dtype=torch.float64), torch.zeros(24))
+    model, opt, loader = make_private(model, opt, DataLoader(data, batch_size=4), mechanism=mechanism,
+                                      batching="cyclic", delta=1e-5, max_grad_norm=0.5, noise_seed=99, **kw)
+    w = [model.lin.weight.detach().clone().reshape(-1)]
+    for _ in range(2):
+        for x, _ in loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            w.append(model.lin.weight.detach().clone().reshape(-1))
+    released = -(torch.stack(w[1:]) - torch.stack(w[:-1])).numpy()  # lr = 1: the noised mean gradient
+    return opt, released / (opt.noise_std * 0.5 / opt.expected_batch_size)  # -> (C^{-1} Z)[t]
+
+
+@pytest.mark.parametrize("mechanism,kw", [
+    ("tree", dict(epsilon=4.0, epochs=2)),  # the planner's tree family (plain or ls, its choice)
+    ("tree:plain", dict(noise_multiplier=1.0, steps=12)),
+])
+def test_make_private_trains_with_the_tree_and_releases_its_materialized_noise(mechanism, kw):
+    opt, noise = _released_noise(mechanism, **kw)
+    n = 12  # 24 examples, batches of 4, 2 epochs
+    s = opt.strategy
+    assert isinstance(s, OnlineTree) and s.n == n and noise.shape == (n, 40)
+    z = np.stack([seed_noise(99, tau, 40).numpy() for tau in range(s.rows)])
+    want = noising_reference(n, s.decoding) @ z
+    np.testing.assert_allclose(noise, want, rtol=0, atol=1e-9 * np.max(np.abs(want)))
+    spent = opt.privacy_spent()
+    assert spent.kind == "guarantee"
+    mu = sensitivity_tree(n, "cyclic:2:6").value / opt.noise_std  # unamplified, cyclic participation
+    from corrnoise.accounting.gaussian import gaussian_epsilon
+
+    assert spent.epsilon == pytest.approx(gaussian_epsilon(1e-5, mu), rel=1e-9)
+    if "epsilon" in kw:
+        assert spent.epsilon <= kw["epsilon"]
