@@ -278,3 +278,15 @@ def test_make_private_trains_with_the_tree_and_releases_its_materialized_noise(m
     assert spent.epsilon == pytest.approx(gaussian_epsilon(1e-5, mu), rel=1e-9)
     if "epsilon" in kw:
         assert spent.epsilon <= kw["epsilon"]
+
+
+@pytest.mark.parametrize("n", [5, 8, 12, 33])
+def test_full_least_squares_noise_reads_every_node_every_step(n):
+    """Why tree:full does not stream (strategies/tree.py): every row of pinv(C) is dense, so
+    step t needs all 2n - 1 node rows of Z, against at most ceil(log2 n) + 1 for the online tree."""
+    dense = np.count_nonzero(np.abs(Tree(n).noising_matrix()) > 1e-12, axis=1)
+    assert np.all(dense == tree_rows(n))
+    for decoding in DECODINGS:
+        sparse = np.count_nonzero(OnlineTree(n, decoding).noising_matrix(), axis=1)
+        if decoding == "plain":
+            assert sparse.max() <= tree_depth(n) + 1
