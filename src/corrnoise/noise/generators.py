@@ -287,15 +287,14 @@ class TreeGenerator(NoiseGenerator):
         k = plan.k
         if self.regenerate:  # u_v = nu Z[v]: alpha = e_k, beta = 0
             return self._combination([(plan.new_ids[k], 1.0)] + [(tau, -1.0) for tau in plan.old_ids])
-        out = self._combination([(tau, float(a)) for tau, a in zip(plan.new_ids, plan.alpha) if a != 0.0])
-        if k > 0:
-            stack = self._stack[:k].t()
-            out.addmv_(stack, torch.as_tensor(plan.beta, dtype=self.dtype, device=self.device))  # u_k
-        if k < self._stack.shape[0]:
-            self._stack[k].copy_(out)
-        if k > 0:
-            out.addmv_(stack, torch.ones(k, dtype=self.dtype, device=self.device), alpha=-1.0)
-        return out
+        store = k < self._stack.shape[0]  # slot k is free: bit k of t is 0
+        u = self._combination([(tau, float(a)) for tau, a in zip(plan.new_ids, plan.alpha)],
+                              out=self._stack[k] if store else None)
+        if k == 0:
+            return u.clone() if store else u
+        stack = self._stack[:k].t()
+        u.addmv_(stack, torch.as_tensor(plan.beta, dtype=self.dtype, device=self.device))  # u_k
+        return torch.addmv(u, stack, torch.ones(k, dtype=self.dtype, device=self.device), alpha=-1.0)
 
     def _reset_buffers(self):
         self._stack.zero_()

@@ -36,10 +36,11 @@ from .base import Strategy
 MAX_MATERIALIZED_TREE_N = 8192
 
 
-def _check_materializable(n: int, what: str) -> None:
+def _check_materializable(n: int, what: str,
+                          hint: str = "the losses, sensitivity and noise stream need no matrix") -> None:
     if n > MAX_MATERIALIZED_TREE_N:
         raise CorrnoiseError("n", f"the tree's {what} is materialized only for n <= {MAX_MATERIALIZED_TREE_N}, "
-                             f"got {n}; the losses, sensitivity and noise stream need no matrix")
+                             f"got {n}; {hint}")
 
 
 class _TreeC(Strategy):
@@ -155,7 +156,8 @@ class Tree(_TreeC):
 
     def __init__(self, n: int):
         self.n = check_int("n", n, minimum=1)
-        _check_materializable(self.n, "least-squares decoder pinv(C) (tree:full)")
+        _check_materializable(self.n, "least-squares decoder pinv(C) (tree:full)",
+                              "tree or tree:ls stream at any n")
         self._m = tree_matrix(self.n)
 
     @property
