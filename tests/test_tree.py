@@ -16,10 +16,10 @@ from tree_reference import noising_reference, padded_nodes, prefix_decoder
 from corrnoise.errors import CorrnoiseError
 from corrnoise.linalg.tree import (node_id, node_ids, online_tree_step, run_tree_stream, stack_slots, tree_depth,
                                    tree_matrix, tree_rows)
-from corrnoise.losses import decoder_matrix, error_summary, loss_report, mechanism_sensitivity
+from corrnoise.losses import decoder_matrix, error_summary, loss_report, mechanism_sensitivity, sensitivity_tree
 from corrnoise.noise import TreeGenerator, make_generator, seed_noise
 from corrnoise.participation import parse_participation
-from corrnoise.sensitivity import brute_force_sensitivity, sensitivity_tree
+from corrnoise.sensitivity import brute_force_sensitivity
 from corrnoise.strategies import OnlineTree, Tree, parse_strategy
 
 DECODINGS = ("plain", "ls")
@@ -145,7 +145,7 @@ def test_tree_sensitivity_equals_brute_force(n):
 
 
 def test_min_sep_level_bound_is_an_upper_bound_and_close():
-    from corrnoise.sensitivity import _tree_level_bound_squared
+    from corrnoise.linalg.tree import tree_minsep_bound_squared as _tree_level_bound_squared
 
     for n, b in ((13, 2), (13, 3), (64, 5), (100, 7)):
         k = -(-n // b)

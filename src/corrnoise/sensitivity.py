@@ -26,10 +26,7 @@ Methods:
                                   row bounds (see :func:`dp_relaxation_bound`)
 ``dp-relaxation-tight``           the same bound, certified exact because an allowed pattern
                                   attains it
-``tree-runs``                     the binary tree C_tree (0/1, non-negative) under Cyclic:
-                                  sum over nodes of (pattern steps in the node)^2, O(n log n)
-``tree-level-upper-bound``        the binary tree under Min-Sep beyond the materialized sizes:
-                                  per level, at most ceil(2^l / b) steps of a pattern per node
+``tree-runs``, ``tree-level-upper-bound``  the binary tree: ``corrnoise.losses.sensitivity_tree``
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CorrnoiseError, check_finite_array, check_int
-from .linalg.tree import tree_depth
 from .participation import Cyclic, MinSep, Participation, Single, parse_participation
 
 __all__ = [
@@ -56,13 +52,7 @@ __all__ = [
     "dp_relaxation_bound",
     "sensitivity_dense",
     "brute_force_sensitivity",
-    "sensitivity_tree",
-    "tree_gram",
-    "MAX_TREE_GRAM_N",
 ]
-
-#: Min-Sep on the binary tree builds the n x n Gram matrix up to this n, then bounds.
-MAX_TREE_GRAM_N = 4096
 
 #: Min-Sep schemas with more patterns than this are bounded by the DP relaxation.
 DEFAULT_MAX_PATTERNS = 200_000
@@ -498,66 +488,3 @@ def brute_force_sensitivity(C, schema, n: int) -> float:
         best = max(best, float(v @ v))
     return math.sqrt(best)
 
-
-# ------------------------------------------------------------------------ the binary tree
-
-
-def tree_gram(n: int) -> np.ndarray:
-    """C_tree^T C_tree without C: leaves i and j share the K + 1 - bitlen(i XOR j) nodes of levels
-    bitlen(i XOR j)..K (every ancestor of a kept leaf is kept; tutorial Sec. 2.7)."""
-    n = check_int("n", n, minimum=1)
-    idx = np.arange(n)
-    _, bitlen = np.frexp(np.bitwise_xor.outer(idx, idx).astype(np.float64))  # frexp(0) = (0, 0)
-    return (tree_depth(n) + 1 - bitlen).astype(np.float64)
-
-
-def _tree_cyclic_squared(n: int, k: int, b: int) -> float:
-    """max over the b cyclic patterns of ||C_tree[:, pi] 1||^2 = sum_v |pi cap v|^2 (0/1 rows).
-
-    Per level l the pattern's steps p (sorted) lie in node p >> l; a run of c equal node
-    indices contributes c^2 = sum_{i<c} (2 i + 1), so each step adds 2 (its place in its run)
-    + 1. O(b k (K + 1)) = O(n log n) time, O(n) memory."""
-    pos = np.arange(b, dtype=np.int64)[:, None] + b * np.arange(k, dtype=np.int64)[None, :]
-    valid = pos < n  # a pattern is truncated to steps < n (only its last step can be missing)
-    col = np.arange(k, dtype=np.int64)[None, :]
-    total = np.zeros(b)
-    for l in range(tree_depth(n) + 1):
-        node = np.where(valid, pos >> l, -1)
-        starts = np.ones(node.shape, dtype=bool)
-        starts[:, 1:] = node[:, 1:] != node[:, :-1]
-        run_start = np.maximum.accumulate(np.where(starts, col, 0), axis=1)
-        total += np.sum((2 * (col - run_start) + 1) * valid, axis=1)
-    return float(total.max())
-
-
-def _tree_level_bound_squared(n: int, k: int, b: int) -> float:
-    """Upper bound on max_pi sum_v |pi cap v|^2 over b-separated patterns of at most k steps: a
-    level-l node spans min(2^l, n) leaves, so it holds c_v <= cap = ceil(min(2^l, n) / b) steps,
-    and with sum_v c_v <= k the sum of squares is at most floor(k / cap) cap^2 + (k mod cap)^2."""
-    k = min(k, _ceil_div(n, b))
-    total = 0
-    for l in range(tree_depth(n) + 1):
-        cap = min(k, _ceil_div(min(1 << l, n), b))
-        total += (k // cap) * cap * cap + (k % cap) ** 2
-    return float(total)
-
-
-def sensitivity_tree(n: int, schema) -> Sensitivity:
-    """sens(C_tree, Pi) for the binary tree (both decoders share C_tree), without C.
-
-    C_tree >= 0, so Lemma 3.15(b) is exact: sens^2 = max_pi ||C_tree[:, pi] 1||^2.  Single:
-    K + 1 (every leaf is in K + 1 nodes).  Cyclic: :func:`_tree_cyclic_squared`, exact, O(n log n).
-    Min-Sep: the Gram matrix :func:`tree_gram` and :func:`sensitivity_from_gram` for
-    n <= MAX_TREE_GRAM_N, else :func:`_tree_level_bound_squared` (an upper bound, exact=False).
-    """
-    schema = _schema(schema)
-    n = schema.validate(n)
-    if isinstance(schema, Single):
-        return Sensitivity(math.sqrt(tree_depth(n) + 1.0), True, "max-column-norm")
-    if isinstance(schema, Cyclic):
-        return Sensitivity(math.sqrt(_tree_cyclic_squared(n, schema.k, schema.b)), True, "tree-runs")
-    if not isinstance(schema, MinSep):
-        raise CorrnoiseError("participation", f"unsupported schema {schema!r}")
-    if n <= MAX_TREE_GRAM_N:
-        return sensitivity_from_gram(tree_gram(n), schema, n)
-    return Sensitivity(math.sqrt(_tree_level_bound_squared(n, schema.k, schema.b)), False, "tree-level-upper-bound")

@@ -216,3 +216,45 @@ def online_tree_errors_squared(n: int, decoding: str) -> tuple[float, float]:
 
     candidates = [n] + [((n >> i) - 1 << i) | ((1 << i) - 1) for i in range(1, n.bit_length()) if n >> i & 1]
     return total / n, max(err(s) for s in candidates)
+
+
+# --- the sensitivity of C_tree (corrnoise.losses.sensitivity_tree) --------------------------
+def tree_gram(n: int) -> np.ndarray:
+    """C_tree^T C_tree without C: leaves i and j share the K + 1 - bitlen(i XOR j) nodes of levels
+    bitlen(i XOR j)..K (every ancestor of a kept leaf is kept; tutorial Sec. 2.7)."""
+    n = check_int("n", n, minimum=1)
+    idx = np.arange(n)
+    _, bitlen = np.frexp(np.bitwise_xor.outer(idx, idx).astype(np.float64))  # frexp(0) = (0, 0)
+    return (tree_depth(n) + 1 - bitlen).astype(np.float64)
+
+
+def tree_cyclic_squared(n: int, k: int, b: int) -> float:
+    """max over the b cyclic patterns (l, l + b, ..., < n) of ||C_tree[:, pi] 1||^2 =
+    sum_v |pi cap v|^2 (C_tree has 0/1 rows).
+
+    Per level l the pattern's steps p (sorted) lie in node p >> l; a run of c equal node
+    indices contributes c^2 = sum_{i<c} (2 i + 1), so each step adds 2 (its place in its run)
+    + 1. O(b k (K + 1)) = O(n log n) time, O(n) memory."""
+    pos = np.arange(b, dtype=np.int64)[:, None] + b * np.arange(k, dtype=np.int64)[None, :]
+    valid = pos < n  # a pattern is truncated to steps < n (only its last step can be missing)
+    col = np.arange(k, dtype=np.int64)[None, :]
+    total = np.zeros(b)
+    for l in range(tree_depth(n) + 1):
+        node = np.where(valid, pos >> l, -1)
+        starts = np.ones(node.shape, dtype=bool)
+        starts[:, 1:] = node[:, 1:] != node[:, :-1]
+        run_start = np.maximum.accumulate(np.where(starts, col, 0), axis=1)
+        total += np.sum((2 * (col - run_start) + 1) * valid, axis=1)
+    return float(total.max())
+
+
+def tree_minsep_bound_squared(n: int, k: int, b: int) -> float:
+    """Upper bound on max_pi sum_v |pi cap v|^2 over b-separated patterns of at most k steps: a
+    level-l node spans min(2^l, n) leaves, so it holds c_v <= cap = ceil(min(2^l, n) / b) steps,
+    and with sum_v c_v <= k the sum of squares is at most floor(k / cap) cap^2 + (k mod cap)^2."""
+    k = min(k, -(-n // b))
+    total = 0
+    for l in range(tree_depth(n) + 1):
+        cap = min(k, -(-min(1 << l, n) // b))
+        total += (k // cap) * cap * cap + (k % cap) ** 2
+    return float(total)
