@@ -15,7 +15,8 @@ settings.load_profile("ci")
 def random_strategies(n: int, seed: int = 0):
     """One instance of every kind for n steps (deterministic for a seed)."""
     from corrnoise.strategies import (
-        BLT, DPCGD, Banded, BandedInverseSqrt, BandedSqrt, ColumnNormalized, Dense, Identity, Prefix, Toeplitz, ToeplitzSqrt, Tree,
+        BLT, DPCGD, Banded, BandedInverseSqrt, BandedSqrt, ColumnNormalized, Dense, Identity, OnlineTree, Prefix, Toeplitz, ToeplitzSqrt,
+        Tree,
     )
 
     rng = np.random.default_rng(seed)
@@ -28,7 +29,7 @@ def random_strategies(n: int, seed: int = 0):
     strategies = [
         Identity(n), Prefix(n), ToeplitzSqrt(n), BandedSqrt(n, min(4, n)), BandedInverseSqrt(n, min(3, n)), DPCGD(0.6, n),
         BLT(rng.uniform(0.05, 0.4, size=2), rng.uniform(0.1, 0.95, size=2), n),
-        Toeplitz(coeffs, n), Dense(dense), Banded(band), Tree(n),
+        Toeplitz(coeffs, n), Dense(dense), Banded(band), Tree(n), OnlineTree(n), OnlineTree(n, "ls"),
     ]
     strategies += [ColumnNormalized(s) for s in (ToeplitzSqrt(n), Banded(band), BLT([0.3], [0.7], n), Dense(dense))]
     return strategies

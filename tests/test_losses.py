@@ -10,15 +10,18 @@ from corrnoise.errors import CorrnoiseError
 from corrnoise.losses import error_summary, loss_report, mechanism_sensitivity, per_query_squared_error
 from corrnoise.participation import Cyclic, MinSep, Single
 from corrnoise.sensitivity import brute_force_sensitivity
-from corrnoise.strategies import BLT, ColumnNormalized, Dense, Toeplitz, Tree, parse_strategy
+from corrnoise.strategies import BLT, ColumnNormalized, Dense, OnlineTree, Toeplitz, Tree, parse_strategy
 from corrnoise.workloads import momentum, parse_workload, prefix
 from conftest import random_strategies
+from tree_reference import noising_reference
 
 
 def _dense_errors(strategy, workload):
     C = strategy.matrix()
     A = workload.matrix(strategy.n)
-    B = A @ np.linalg.pinv(C)  # = A C^{-1} for square invertible C
+    B = A @ np.linalg.pinv(C)  # = A C^{-1} for square invertible C (least squares for tree:full)
+    if isinstance(strategy, OnlineTree):  # the online tree's own left inverse (tests/tree_reference.py)
+        B = A @ noising_reference(strategy.n, strategy.decoding)
     return np.sum(B**2, axis=1)
 
 
@@ -61,7 +64,7 @@ def test_dispatched_sensitivity_matches_brute_force_when_gram_is_nonnegative(n, 
     nonneg = [
         parse_strategy("toeplitz-sqrt", n), parse_strategy("bsr:2", n), BLT(rng.uniform(0, 0.5, 2), rng.uniform(0, 1, 2), n),
         Dense(np.tril(rng.uniform(0.1, 1.0, (n, n)))), ColumnNormalized(parse_strategy("toeplitz-sqrt", n)),
-        parse_strategy("dpcgd:0.4", n), Tree(n),
+        parse_strategy("dpcgd:0.4", n), Tree(n), OnlineTree(n), OnlineTree(n, "ls"),
     ]
     for s in nonneg:
         C = s.matrix()

@@ -17,6 +17,7 @@ from corrnoise.noise import (
     DPCGDGenerator,
     IidGenerator,
     RegenerateGenerator,
+    TreeGenerator,
     make_generator,
     seed_noise,
 )
@@ -44,6 +45,7 @@ EXPECTED_KIND = {
     "identity": IidGenerator, "prefix": RegenerateGenerator, "toeplitz-sqrt": RegenerateGenerator,
     "bsr": BandedGenerator, "bisr": RegenerateGenerator, "dpcgd": DPCGDGenerator, "blt": BLTGenerator, "toeplitz": RegenerateGenerator,
     "dense": RegenerateGenerator, "banded": BandedGenerator, "tree": RegenerateGenerator,
+    "online-tree": TreeGenerator,
 }
 
 
@@ -297,10 +299,18 @@ PINNED = {  # label|method|dtype: (generator kind, sha256[:24] of the n x m rows
     'banded|auto|float32': ('banded', 'fc8ec0e7e64d6a7889233b3b', '-0x1.ab4a3e0000000p+0'),
     'banded|regenerate|float64': ('regenerate', '90ee7388d52cf7e0b3e8d8e8', '0x1.7eb9aa1021e72p+0'),
     'banded|regenerate|float32': ('regenerate', '4b780b0567f0fcaa2806eff6', '-0x1.ab4a4c0000000p+0'),
-    'tree|auto|float64': ('regenerate', 'b1993a1c1c6ac19105c39ae1', '-0x1.5912ed2b87298p-3'),
-    'tree|auto|float32': ('regenerate', '5d3d1bd14c7fde6f506f686e', '0x1.b147080000000p-1'),
-    'tree|regenerate|float64': ('regenerate', 'b1993a1c1c6ac19105c39ae1', '-0x1.5912ed2b87298p-3'),
-    'tree|regenerate|float32': ('regenerate', '5d3d1bd14c7fde6f506f686e', '0x1.b147080000000p-1'),
+    'tree:full|auto|float64': ('regenerate', 'b1993a1c1c6ac19105c39ae1', '-0x1.5912ed2b87298p-3'),
+    'tree:full|auto|float32': ('regenerate', '5d3d1bd14c7fde6f506f686e', '0x1.b147080000000p-1'),
+    'tree:full|regenerate|float64': ('regenerate', 'b1993a1c1c6ac19105c39ae1', '-0x1.5912ed2b87298p-3'),
+    'tree:full|regenerate|float32': ('regenerate', '5d3d1bd14c7fde6f506f686e', '0x1.b147080000000p-1'),
+    'tree|auto|float64': ('tree', 'b58861e258c087021da07adc', '0x1.e4e9384d5e8a0p-2'),
+    'tree|auto|float32': ('tree', '8edb2c7df16785a9a028a8fa', '0x1.2a7e8c0000000p+1'),
+    'tree|regenerate|float64': ('tree', 'b58861e258c087021da07adc', '0x1.e4e9384d5e8a0p-2'),
+    'tree|regenerate|float32': ('tree', '8edb2c7df16785a9a028a8fa', '0x1.2a7e8c0000000p+1'),
+    'tree:ls|auto|float64': ('tree', 'be7e5bf832ac9b78972c34c6', '0x1.e4e9384d5e8a0p-2'),
+    'tree:ls|auto|float32': ('tree', 'f9af70b2928703e9e75e3a76', '0x1.2a7e8c0000000p+1'),
+    'tree:ls|regenerate|float64': ('regenerate', 'db40c302a6fc51d8392d06eb', '0x1.e4e9384d5e8a0p-2'),
+    'tree:ls|regenerate|float32': ('regenerate', 'a24b44d693ba5bb109e01f64', '0x1.2a7e8c0000000p+1'),
     'toeplitz-sqrt+colnorm|auto|float64': ('regenerate', 'ad625bd95eb3ca196cbaef90', '0x1.07729e8c9c13dp+1'),
     'toeplitz-sqrt+colnorm|auto|float32': ('regenerate', '8753ea92a80b23f3b078827d', '-0x1.89f7dc0000000p+0'),
     'toeplitz-sqrt+colnorm|regenerate|float64': ('regenerate', 'ad625bd95eb3ca196cbaef90', '0x1.07729e8c9c13dp+1'),
@@ -339,7 +349,7 @@ def test_noise_streams_are_bit_identical_to_the_pinned_ones(strategy, method, dt
 def test_pins_cover_every_kind():
     labels = {k.split("|")[0] for k in PINNED}
     assert labels == {s.label for s in ALL} and len(PINNED) == 4 * len(ALL)
-    for name in ("identity", "bsr:4", "blt(d=2)", "dpcgd:0.6", "toeplitz-sqrt", "dense", "tree",
+    for name in ("identity", "bsr:4", "blt(d=2)", "dpcgd:0.6", "toeplitz-sqrt", "dense", "tree", "tree:ls", "tree:full",
                  "banded+colnorm", "blt(d=1)+colnorm", "dense+colnorm", "toeplitz-sqrt+colnorm"):
         assert name in labels, name
 

@@ -9,8 +9,10 @@ from scipy import linalg as sla
 from corrnoise.errors import CorrnoiseError
 from corrnoise.linalg.streaming import run_stream
 from corrnoise.strategies import (
-    BLT, DPCGD, Banded, ColumnNormalized, Dense, Toeplitz, Tree, load_mechanism, parse_strategy, save_mechanism,
+    BLT, DPCGD, Banded, ColumnNormalized, Dense, OnlineTree, Toeplitz, Tree, load_mechanism, parse_strategy,
+    save_mechanism,
 )
+from tree_reference import noising_reference
 from conftest import random_strategies
 
 
@@ -24,6 +26,9 @@ def test_products_and_streams_equal_dense(n, seed, m):
         assert np.allclose(s.multiply(x), C @ x, atol=1e-10), s.label
         if isinstance(s, Tree) or (isinstance(s, ColumnNormalized) and isinstance(s.base, Tree)):
             expected = np.linalg.pinv(C) @ z
+        elif isinstance(s, OnlineTree):  # a left inverse of C: the online decoder (tests/test_tree.py)
+            expected = noising_reference(n, s.decoding) @ z
+            assert np.allclose(s.noising_matrix() @ C, np.eye(n), atol=1e-10), s.label
         else:
             expected = sla.solve_triangular(C, z, lower=True)
             assert np.allclose(run_stream(s.multiply_stream(), x), C @ x, atol=1e-10), s.label
@@ -65,7 +70,7 @@ def test_dpcgd_is_one_step_noise_cancellation():
 
 def test_streams_refuse_steps_past_the_end():
     for s in random_strategies(4):
-        if isinstance(s, Tree):
+        if isinstance(s, (Tree, OnlineTree)):  # rows of Z are tree nodes: tests/test_tree.py
             continue
         op = s.inverse_stream()
         state = op.init(())

@@ -20,20 +20,24 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .errors import CorrnoiseError
-from .participation import Participation, Single, parse_participation
+from .participation import Cyclic, MinSep, Participation, Single, parse_participation
 from .sensitivity import (
     Sensitivity,
     sensitivity_banded,
     sensitivity_dense,
     sensitivity_single,
+    sensitivity_from_gram,
     sensitivity_toeplitz_monotone,
 )
 from .linalg.banded import banded_errors_squared
-from .strategies import Banded, ColumnNormalized, Strategy, Toeplitz, Tree
+from .linalg.tree import tree_cyclic_squared, tree_depth, tree_gram, tree_minsep_bound_squared
+from .strategies import Banded, ColumnNormalized, OnlineTree, Strategy, Toeplitz, Tree
 from .workloads import Workload, prefix
 
 # Strategies without a structured path are materialized; beyond this n that is refused.
 MAX_DENSE_N = 8192
+#: Min-Sep on the binary tree builds the n x n Gram matrix up to this n, then bounds.
+MAX_TREE_GRAM_N = 4096
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ def _require_materializable(strategy: Strategy, what: str = "loss") -> None:
 
 
 def decoder_matrix(strategy: Strategy, workload: Workload | None = None) -> np.ndarray:
-    """B = A C^{-1} materialized (least-squares B = A pinv(C) for the tree)."""
+    """B = A C^{-1} materialized (C^{-1} the tree's decoder: A^{-1} B_tree for ``tree``,
+    pinv(C) for ``tree:full``)."""
     workload = workload or prefix()
     _require_materializable(strategy)
     return workload.apply(strategy.noising_matrix())
@@ -166,8 +171,8 @@ def error_summary(strategy: Strategy, workload: Workload | None = None) -> tuple
 def mechanism_sensitivity(strategy: Strategy, participation: Participation | str | None = None) -> Sensitivity:
     """sens(C, Pi) by the cheapest exact path available (tutorial Sec. 3.3.5).
 
-    Single participation: the max column norm (O(d^2) for BLT, Lemma 2.29(a)). Cyclic and
-    Min-Sep: bands <= b -> Lemma 3.16(b) (exact, Alg. 3.2 for Min-Sep); Toeplitz with
+    Single participation: the max column norm (O(d^2) for BLT, Lemma 2.29(a)). The binary
+    tree: :func:`sensitivity_tree`. Cyclic and Min-Sep: bands <= b -> Lemma 3.16(b) (exact, Alg. 3.2 for Min-Sep); Toeplitz with
     non-negative non-increasing coefficients -> Eq. 3.25 (exact); otherwise Lemma 3.15 on the
     materialized Gram matrix, exact when C^T C >= 0 on the patterns and an upper bound
     otherwise (``exact=False``).
@@ -180,12 +185,37 @@ def mechanism_sensitivity(strategy: Strategy, participation: Participation | str
             value_sq, method = closed
             return Sensitivity(math.sqrt(value_sq), True, method)
         return sensitivity_single(strategy.column_norms_squared())
+    if isinstance(strategy, (OnlineTree, Tree)):  # C_tree: O(n log n) without C
+        return sensitivity_tree(n, schema)
     if strategy.bands <= schema.b:
         return sensitivity_banded(strategy.column_norms_squared(), schema, n, strategy.bands)
     if _is_plain_toeplitz(strategy) and strategy.is_nonnegative_monotone():
         return sensitivity_toeplitz_monotone(strategy.toeplitz_coefficients, schema, n)
     _require_materializable(strategy, "sensitivity (for this participation)")
     return sensitivity_dense(strategy.matrix(), schema)
+
+
+def sensitivity_tree(n: int, participation: Participation | str | None = None) -> Sensitivity:
+    """sens(C_tree, Pi) for the binary tree (every decoder shares C_tree), without C.
+
+    C_tree >= 0, so Lemma 3.15(b) is exact: sens^2 = max_pi ||C_tree[:, pi] 1||^2.  Single:
+    K + 1 (every leaf is in K + 1 nodes).  Cyclic: ``tree-runs``
+    (:func:`corrnoise.linalg.tree.tree_cyclic_squared`), exact, O(n log n).  Min-Sep: the Gram
+    matrix (:func:`corrnoise.linalg.tree.tree_gram`) and :func:`sensitivity_from_gram` for
+    n <= MAX_TREE_GRAM_N, else ``tree-level-upper-bound``
+    (:func:`corrnoise.linalg.tree.tree_minsep_bound_squared`, exact=False).
+    """
+    schema = parse_participation(participation or "single")
+    n = schema.validate(n)
+    if isinstance(schema, Single):
+        return Sensitivity(math.sqrt(tree_depth(n) + 1.0), True, "max-column-norm")
+    if isinstance(schema, Cyclic):
+        return Sensitivity(math.sqrt(tree_cyclic_squared(n, schema.k, schema.b)), True, "tree-runs")
+    if not isinstance(schema, MinSep):
+        raise CorrnoiseError("participation", f"unsupported schema {schema!r}")
+    if n <= MAX_TREE_GRAM_N:
+        return sensitivity_from_gram(tree_gram(n), schema, n)
+    return Sensitivity(math.sqrt(tree_minsep_bound_squared(n, schema.k, schema.b)), False, "tree-level-upper-bound")
 
 
 def loss_report(
@@ -215,5 +245,5 @@ def loss_report(
 
 __all__ = [
     "LossReport", "decoder_matrix", "error_summary", "loss_report", "mechanism_sensitivity",
-    "per_query_squared_error", "Tree",
+    "per_query_squared_error", "sensitivity_tree", "OnlineTree", "Tree",
 ]

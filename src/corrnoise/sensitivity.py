@@ -26,6 +26,7 @@ Methods:
                                   row bounds (see :func:`dp_relaxation_bound`)
 ``dp-relaxation-tight``           the same bound, certified exact because an allowed pattern
                                   attains it
+``tree-runs``, ``tree-level-upper-bound``  the binary tree: ``corrnoise.losses.sensitivity_tree``
 """
 
 from __future__ import annotations
@@ -486,3 +487,4 @@ def brute_force_sensitivity(C, schema, n: int) -> float:
         v = C[:, list(pattern)].sum(axis=1)
         best = max(best, float(v @ v))
     return math.sqrt(best)
+

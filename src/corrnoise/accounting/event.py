@@ -29,7 +29,9 @@ _STRATEGY_ATTRIBUTES = ("n", "rows", "bands", "label", "is_nonnegative")
 
 def leading_strategy(strategy, steps: int):
     """The mechanism of the first ``steps`` steps: C[:steps, :steps] (lower triangular, so the
-    first rows of C^{-1} Z are unchanged).  Column-normalized and tree mechanisms are not
+    first rows of C^{-1} Z are unchanged; for the online tree, its first ``steps`` steps read only
+    the nodes of the tree over ``steps`` leaves, with the same node ids).  Column-normalized and
+    ``tree:full`` mechanisms are not
     truncated (their ``with_n`` re-designs rather than truncates): the full mechanism is
     analysed, which is conservative (its first ``steps`` outputs are a marginal of it)."""
     from ..strategies import ColumnNormalized, Tree

@@ -161,7 +161,7 @@ class ScaledStream:
         return y, (t + 1, inner)
 
 
-NOISE_KINDS = ("iid", "banded", "blt", "dpcgd", "regenerate")
+NOISE_KINDS = ("iid", "banded", "blt", "dpcgd", "regenerate", "tree")
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,6 +175,10 @@ class NoiseStream:
     * ``dpcgd`` -- ``beta``: C^{-1} = I - beta S, i.e. Z[t] - beta Z[t-1].
     * ``regenerate`` -- ``inverse_toeplitz`` (first column of a Toeplitz C^{-1}) or ``noising``
       (C^{-1} materialized, shape (n, rows)): sum_tau C^{-1}[t, tau] Z[tau].
+    * ``tree`` -- ``weights`` (a_l per level), ``slots``: the online binary tree, Z indexed by
+      tree node (postorder); step t is :func:`corrnoise.linalg.tree.online_tree_step`. All
+      a_l = 1 (plain decoding): u_v = Z[v], regenerated, no buffers; otherwise ``slots`` node
+      estimates are kept (one per level).
 
     ``row_scale`` (column normalization, tutorial Def. 2.10 / Remark 2.19) multiplies row t by
     ``row_scale[t]`` after the base recurrence. Build one with the class methods below.
@@ -213,6 +217,15 @@ class NoiseStream:
             return cls("regenerate", {"inverse_toeplitz": inverse_toeplitz})
         return cls("regenerate", {"noising": noising})
 
+    @classmethod
+    def tree(cls, weights: np.ndarray, slots: int) -> "NoiseStream":
+        return cls("tree", {"weights": np.asarray(weights, dtype=np.float64), "slots": int(slots)})
+
+    @property
+    def regenerates_tree_nodes(self) -> bool:
+        """A ``tree`` stream whose node estimates are the nodes' own noise (every a_l = 1)."""
+        return self.kind == "tree" and bool(np.all(self.params["weights"] == 1.0))
+
     def scaled(self, row_scale: np.ndarray) -> "NoiseStream":
         """The same stream with row t multiplied by ``row_scale[t]`` (one level of scaling)."""
         if self.row_scale is not None:
@@ -220,7 +233,7 @@ class NoiseStream:
         return replace(self, row_scale=np.asarray(row_scale, dtype=np.float64))
 
     def buffer_rows(self) -> int:
-        """How many model-sized rows of state the recurrence keeps (b - 1, d, or 0)."""
+        """How many model-sized rows of state the recurrence keeps (b - 1, d, tree slots, or 0)."""
         if self.kind == "banded":
             c = self.params["coefficients"]
             if c.ndim == 1:  # trailing zeros are trimmed, as by the operators
@@ -229,15 +242,26 @@ class NoiseStream:
             return max(int(c.shape[-1]) - 1, 0)
         if self.kind == "blt":
             return int(np.asarray(self.params["alpha"]).size)
+        if self.kind == "tree" and not self.regenerates_tree_nodes:
+            return int(self.params["slots"])
         return 0
 
     def operator(self, n: int) -> StreamingOperator:
         """The numpy (init, step) operator z -> (C^{-1} z)[t] of this recurrence for n steps.
 
         The reference twin of the torch generator built from the same stream (tests and
-        :func:`run_stream`); the rows of z play the part of Z.
+        :func:`run_stream`); the rows of z play the part of Z. A ``tree`` stream's rows of Z are
+        tree nodes, not steps: its operator (:class:`corrnoise.linalg.tree.TreeNoiseOperator`)
+        takes the rows of the nodes that end at step t, and
+        :func:`corrnoise.linalg.tree.run_tree_stream` feeds them.
         """
         p = self.params
+        if self.kind == "tree":
+            from .tree import TreeNoiseOperator
+
+            if self.row_scale is not None:
+                raise CorrnoiseError("strategy", "a row-scaled tree stream has no numpy operator here")
+            return TreeNoiseOperator(n, p["weights"])
         if self.kind == "iid":
             op: StreamingOperator = ToeplitzStream(np.ones(1), n)
         elif self.kind == "banded":

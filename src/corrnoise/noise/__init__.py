@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "BLTGenerator": "generators", "BandedGenerator": "generators", "DPCGDGenerator": "generators",
     "IidGenerator": "generators", "NoiseGenerator": "generators", "RegenerateGenerator": "generators",
+    "TreeGenerator": "generators",
     "make_generator": "generators", "resolve_dim": "generators",
     "DEFAULT_CHUNK": "seeds", "fill_seed_noise": "seeds", "seed_noise": "seeds", "new_secret_seed": "seeds",
     "fill_noise_combination": "seeds", "derive_key": "seeds", "check_seed": "seeds",

@@ -23,6 +23,10 @@ its class; all in the model's device and dtype):
   with every needed row of Z regenerated from the key, block by block
   (tutorial Sec. 4.4.5, Approach 2): O(m) memory, O(t m) time at step t (only the
   non-zero coefficients cost anything, so C^{-1} = I - S costs two rows).
+* ``tree`` -- the online binary tree (tutorial Sec. 2.7), Z indexed by tree node: step t is
+  :func:`corrnoise.linalg.tree.online_tree_step` (k + 1 <= ceil(log2 n) + 1 node rows,
+  k = trailing zeros of t + 1). Plain decoding regenerates the k replaced nodes as well (no
+  buffers, on average 2 rows a step); least-squares decoding keeps one node estimate per level.
 
 Every update is in place, with no temporary of size m beyond the mechanism's buffers: the
 seed-noise terms of a step (nu Z[t], -beta nu Z[t-1], regenerated rows) are combined block by
@@ -52,6 +56,7 @@ import torch
 
 from ..errors import CorrnoiseError
 from ..linalg.streaming import NOISE_KINDS
+from ..linalg.tree import online_tree_step
 from ..strategies import Strategy
 from .base import NoiseGenerator, resolve_dim  # noqa: F401  (re-exported)
 from .seeds import DEFAULT_CHUNK
@@ -63,6 +68,7 @@ __all__ = [
     "BLTGenerator",
     "DPCGDGenerator",
     "RegenerateGenerator",
+    "TreeGenerator",
     "GENERATORS",
     "make_generator",
     "resolve_dim",
@@ -249,6 +255,57 @@ class RegenerateGenerator(NoiseGenerator):
         return arrays + [self.noising]
 
 
+class TreeGenerator(NoiseGenerator):
+    """The online binary tree (:func:`corrnoise.linalg.tree.online_tree_step`, where the
+    recurrence is stated): with k = trailing zeros of t + 1,
+
+        u_k = sum_{l<=k} alpha_l nu Z[new_l] + sum_{l<k} beta_l S[l],   out_t = u_k - sum_{l<k} S[l],
+
+    S[l] the estimate of the level-l node of the current dyadic partition, stored in slot l
+    (``slots`` = bit length of n - 1 buffers), and S[k] <- u_k. With every a_l = 1 (plain
+    decoding) S[l] = nu Z[old_l]: the k replaced nodes are regenerated from the key with the new
+    one in a single fused pass, out_t = nu (Z[new_k] - sum_{l<k} Z[old_l]), and nothing is kept.
+    """
+
+    kind = "tree"
+
+    def __init__(self, n, dim, weights, slots, **kw):
+        super().__init__(n, dim, **kw)
+        self.weights = np.asarray(weights, dtype=np.float64).reshape(-1)
+        if self.weights.size < self.n.bit_length():
+            raise CorrnoiseError("strategy", f"tree weights for {self.weights.size} levels do not cover n = {self.n}")
+        self.regenerate = bool(np.all(self.weights == 1.0))
+        slots = 0 if self.regenerate else int(slots)
+        self._stack = torch.zeros((slots, self.size), dtype=self.dtype, device=self.device)
+
+    @property
+    def stateless(self):
+        return self.regenerate
+
+    def _raw_step(self, t):
+        plan = online_tree_step(t, self.weights)
+        k = plan.k
+        if self.regenerate:  # u_v = nu Z[v]: alpha = e_k, beta = 0
+            return self._combination([(plan.new_ids[k], 1.0)] + [(tau, -1.0) for tau in plan.old_ids])
+        store = k < self._stack.shape[0]  # slot k is free: bit k of t is 0
+        u = self._combination([(tau, float(a)) for tau, a in zip(plan.new_ids, plan.alpha)],
+                              out=self._stack[k] if store else None)
+        if k == 0:
+            return u.clone() if store else u
+        stack = self._stack[:k].t()
+        u.addmv_(stack, torch.as_tensor(plan.beta, dtype=self.dtype, device=self.device))  # u_k
+        return torch.addmv(u, stack, torch.ones(k, dtype=self.dtype, device=self.device), alpha=-1.0)
+
+    def _reset_buffers(self):
+        self._stack.zero_()
+
+    def _buffers(self):
+        return {"stack": self._stack} if self._stack.numel() else {}
+
+    def _arrays(self):
+        return super()._arrays() + [self.weights]
+
+
 _METHODS = ("auto", "regenerate")
 
 # One generator class per noise-stream kind (Strategy.noise_stream() says which kind).
@@ -258,6 +315,7 @@ GENERATORS: dict[str, type[NoiseGenerator]] = {
     "blt": BLTGenerator,
     "dpcgd": DPCGDGenerator,
     "regenerate": RegenerateGenerator,
+    "tree": TreeGenerator,
 }
 assert set(GENERATORS) == set(NOISE_KINDS)
 
@@ -278,7 +336,7 @@ def make_generator(
 
     ``method="auto"`` uses the strategy's own recurrence, :meth:`Strategy.noise_stream`
     (``iid`` for the identity, ``dpcgd`` for DP-CGD, ``blt`` for BLTs, ``banded`` for fewer
-    than n bands, ``regenerate`` otherwise); ``method="regenerate"`` forces O(m)-memory
+    than n bands, ``tree`` for the online tree, ``regenerate`` otherwise); ``method="regenerate"`` forces O(m)-memory
     regeneration, :meth:`Strategy.regeneration_stream`, for any strategy. A column-normalized
     strategy's stream is its base's with rows scaled by the column norms.
     """

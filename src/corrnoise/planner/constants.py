@@ -27,7 +27,8 @@ BUFFERS = (1, 2, 4)
 BETAS = (0.5, 0.7, 0.8, 0.9, 0.95)
 MAX_TOEPLITZ_N = 4096
 MAX_DENSE_N = 256
-MAX_TREE_N = 4096
+#: The online tree's decoders the planner tries (any n: no matrix is materialized).
+TREE_DECODINGS = ("plain", "ls")
 #: A noise multiplier beyond this counts as "epsilon not reachable" (the accounting search range).
 MAX_NOISE_MULTIPLIER = 1e6
 #: DP-SGD is recommended unless a correlated candidate's rms_error is at least this fraction

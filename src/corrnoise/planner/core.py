@@ -30,7 +30,10 @@ Candidates (family -> how C is built -> how it is accounted):
   smaller beta than the unamplified optimum, so both ends are swept): ``none`` and
   ``balls-in-bins:b``.
 - ``toeplitz`` (n <= 4096: full banded Toeplitz optimization), ``dense`` (n <= 256:
-  ``optimize_dense``), ``tree`` (n <= 4096): ``none`` only.
+  ``optimize_dense``): ``none`` only.
+- ``tree``: the online binary tree for any n (no matrix), decoded plain (``tree``) and by
+  streaming least squares (``tree:ls``): ``none`` only (C_tree has 2n - 1 rows: no amplified
+  analysis applies).
 
 Every C is optimized for the unamplified cyclic participation and reused under amplification.
 
@@ -45,10 +48,10 @@ Numbers per candidate (DESIGN.md conventions, unit clip norm, prefix workload):
 ``rms_error = noise_std ||A C^-1||_F / sqrt(n)``, ``max_error = noise_std max_t ||(A C^-1)[t]||``;
 ``memory_vectors`` = model-size noise vectors the streaming generator keeps between steps
 (:func:`corrnoise.noise.make_generator`'s choice: banded b - 1, BLT d, DP-SGD / DP-CGD /
-regenerated Toeplitz, dense and tree 0); ``noise_cost`` = R + A per step, R = model-size
+regenerated Toeplitz, dense and the plain tree 0, ``tree:ls`` the bit length of n - 1); ``noise_cost`` = R + A per step, R = model-size
 Gaussian draws and A = model-size multiply-adds, each counted as one randn (an upper bound: a
 multiply-add is cheaper): DP-SGD 1, banded b, BLT 1 + 2d, DP-CGD 3 (z_t, regenerated z_{t-1}, one
-axpy), regenerated C^-1: 2 nnz - 1 per row on average.
+axpy), regenerated C^-1: 2 nnz - 1 per row on average, the tree: ``designs._tree_cost``.
 """
 
 from __future__ import annotations
@@ -246,7 +249,7 @@ def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = N
     tasks = _designs(setup)
     if not tasks:
         raise CorrnoiseError("only", f"no family in {','.join(setup.only or FAMILIES)} applies to n = {setup.n} steps "
-                             f"(toeplitz/tree need n <= {MAX_TOEPLITZ_N}, dense n <= {MAX_DENSE_N})")
+                             f"(toeplitz needs n <= {MAX_TOEPLITZ_N}, dense n <= {MAX_DENSE_N}, the others n >= 2)")
     total = len(tasks) + 1
     candidates: list[Candidate] = []
     epsilon_errors: list[str] = []

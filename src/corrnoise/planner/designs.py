@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .constants import _PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N, MAX_TREE_N
+from .constants import _PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N, TREE_DECODINGS
 from .setup import PlanSetup
 
 
@@ -30,6 +30,15 @@ def _toeplitz_regenerate_cost(inverse_coefficients, n: int) -> float:
 
     nz = (np.abs(np.asarray(inverse_coefficients)[:n]) > 1e-12).astype(float)
     return float(2.0 * np.cumsum(nz).mean() - 1.0)
+
+
+def _tree_cost(n: int, buffered: bool) -> float:
+    """Per-step cost of the online tree (noise_cost units, planner docstring), averaged over the
+    n steps: step t draws k + 1 node rows (k = trailing zeros of t + 1, mean about 1). Plain
+    (regenerated): k + 1 draws and k multiply-adds, 2k + 1. Least squares (buffered): k + 1
+    draws and k fused multiply-adds, then 2k from the stored estimates and one copy, 4k + 2."""
+    mean_k = sum(n >> l for l in range(1, n.bit_length())) / n  # sum_{s=1}^{n} v2(s) = sum_l floor(n / 2^l)
+    return float(4.0 * mean_k + 2.0) if buffered else float(2.0 * mean_k + 1.0)
 
 
 @dataclass
@@ -123,13 +132,16 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
             strat = optimize_dense(n, participation=part)
             return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
         tasks.append(("dense", timed(dense)))
-    if "tree" in families and 2 <= n <= MAX_TREE_N:
-        def tree():
-            from ..strategies import Tree
+    if "tree" in families and n >= 2:
+        for decoding in TREE_DECODINGS:
+            def tree(decoding=decoding):
+                from ..strategies import OnlineTree
 
-            strat = Tree(n)
-            return _Design("tree", "tree", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
-        tasks.append(("tree", timed(tree)))
+                strat = OnlineTree(n, decoding)
+                stream = strat.noise_stream()
+                return _Design("tree", strat.label, strat, stream.buffer_rows(), _tree_cost(n, stream.buffer_rows() > 0),
+                               ["none"], 0.0)
+            tasks.append(("tree" if decoding == "plain" else f"tree:{decoding}", timed(tree)))
     return tasks
 
 

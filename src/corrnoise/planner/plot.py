@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import CorrnoiseError
 from .core import PlanResult, error_curve
 
 #: Epsilons of the curves, relative to the target.
@@ -54,10 +55,12 @@ def plot_plan(result: PlanResult, path: str | Path, seed: int | None = None) -> 
         inv = np.asarray(getattr(strat, "inverse_coefficients", np.zeros(0)))[: strat.n]
         label_c, label_i = "C (Toeplitz coefficients)", "C^-1 (Toeplitz coefficients)"
     else:
-        m = strat.matrix()
-        c = m[:, 0] if m.shape[0] == m.shape[1] else m[:, 0]
-        inv = strat.noising_matrix()[-1][::-1] if hasattr(strat, "noising_matrix") else np.zeros(0)
         label_c, label_i = "C first column", "C^-1 last row (reversed)"
+        try:
+            c = strat.matrix()[:, 0]
+            inv = strat.noising_matrix()[-1][::-1]
+        except CorrnoiseError:  # not materialized at this n (e.g. the online tree at n > 8192)
+            c, inv = np.zeros(0), np.zeros(0)
     k = min(len(c), 128)
     ax2.plot(np.arange(k), c[:k], marker=".", label=label_c)
     if len(inv):

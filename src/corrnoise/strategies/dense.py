@@ -1,4 +1,4 @@
-"""Dense and general banded lower-triangular strategies, and the binary tree."""
+"""Dense and general banded lower-triangular strategies (the binary tree is in tree.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from scipy import linalg as sla
 from ..errors import CorrnoiseError, check_finite_array, check_int
 from ..linalg.streaming import BandedStream, DenseStream, NoiseStream
 from ..linalg.toeplitz import check_lower_triangular
-from ..linalg.tree import tree_matrix
 from .base import Strategy
 
 
@@ -159,57 +158,3 @@ class Banded(Strategy):
         if n <= self.n:
             return Banded(self.band[:n, : min(self.bands, n)])
         return super().with_n(n)
-
-
-class Tree(Strategy):
-    """Binary-tree aggregation (tutorial Sec. 2.7): C_tree has one row per tree node.
-
-    The decoder is the least-squares B = A pinv(C) (the ``full_h2`` column of Table 2.3), and
-    the noise that reaches the gradients is pinv(C) Z.
-    """
-
-    kind = "tree"
-
-    def __init__(self, n: int):
-        self.n = check_int("n", n, minimum=1)
-        if self.n > 8192:
-            raise CorrnoiseError("n", f"the tree strategy is materialized here and supports n <= 8192, got {self.n}")
-        self._m = tree_matrix(self.n)
-
-    @property
-    def rows(self):
-        return self._m.shape[0]
-
-    def matrix(self):
-        return self._m.copy()
-
-    @cached_property
-    def _pinv(self) -> np.ndarray:
-        # pinv(C) = (C^T C)^{-1} C^T for C of full column rank (every leaf is its own node).
-        gram = self._m.T @ self._m
-        return sla.cho_solve(sla.cho_factor(gram), self._m.T)
-
-    def noising_matrix(self):
-        return self._pinv.copy()
-
-    def is_nonnegative(self):
-        return True
-
-    def multiply(self, x):
-        return self._m @ self._check_rows("x", x, self.n)
-
-    def inverse_multiply(self, z):
-        return self._pinv @ self._check_rows("z", z, self.rows)
-
-    def multiply_stream(self):
-        raise CorrnoiseError("strategy", "the tree strategy has no streaming form here; use multiply()")
-
-    def inverse_stream(self):
-        raise CorrnoiseError("strategy", "the tree strategy has no streaming form here; use inverse_multiply()")
-
-    @classmethod
-    def from_params(cls, n, params, arrays):
-        return cls(n)
-
-    def with_n(self, n):
-        return Tree(n)

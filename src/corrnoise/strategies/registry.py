@@ -9,12 +9,13 @@ import numpy as np
 from ..errors import CorrnoiseError, check_int
 from .base import Strategy
 from .colnorm import ColumnNormalized
-from .dense import Dense, Tree
+from .dense import Dense
+from .tree import OnlineTree, Tree
 from .io import load_mechanism
 from .toeplitz import BLT, DPCGD, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, ToeplitzSqrt
 
 NAMES_HELP = (
-    "identity (or dpsgd), prefix, toeplitz-sqrt, bsr:B, bisr:P, dpcgd:BETA, tree, blt:A1,A2,...:L1,L2,..., "
+    "identity (or dpsgd), prefix, toeplitz-sqrt, bsr:B, bisr:P, dpcgd:BETA, tree, tree:ls, tree:full, blt:A1,A2,...:L1,L2,..., "
     "matrix:PATH.npy or a mechanism file (.json), optionally with a +colnorm suffix"
 )
 
@@ -39,7 +40,11 @@ def parse_strategy(name: str, n: int) -> Strategy:
         return Prefix(n)
     if name == "toeplitz-sqrt":
         return ToeplitzSqrt(n)
-    if name == "tree":
+    if name in ("tree", "tree:plain"):
+        return OnlineTree(n)
+    if name == "tree:ls":
+        return OnlineTree(n, "ls")
+    if name == "tree:full":
         return Tree(n)
     if head == "bsr" and rest:
         try:
