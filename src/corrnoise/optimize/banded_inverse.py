@@ -182,12 +182,21 @@ def banded_inverse_objective(x: np.ndarray, problem: BandedInverseProblem) -> tu
 def optimize_banded_inverse(n: int, bands: int, participation="single", objective: str = "rms",
                             workload=None, colnorm: bool = False, max_iter: int = 500) -> np.ndarray:
     """q = (1, q_1, ..., q_{P-1}) minimizing the loss of C = T_q^{-1} (or its column-normalized
-    version) for ``participation`` / ``objective`` / ``workload``, from BISR's start
-    (Kalinin et al. 2025); returns q. The result satisfies the module's preconditions."""
+    version) for ``participation`` / ``objective`` / ``workload``; returns q. The result
+    satisfies the module's preconditions.
+
+    Two starts, the better result kept: BISR's q (Kalinin et al. 2025) and the optimum for
+    max(2, P // 2) bands padded with zeros (optimized the same way), so P bands are never worse than
+    fewer bands even where the precondition class has a boundary the first start gets stuck on.
+    """
     problem = BandedInverseProblem.make(n, participation, objective, workload, colnorm)
     bands = check_int("bands", bands, minimum=1)
     if bands > problem.n:
         raise CorrnoiseError("bands", f"must be <= n = {problem.n}, got {bands}")
+    return _optimize(problem, bands, max_iter)
+
+
+def _optimize(problem: BandedInverseProblem, bands: int, max_iter: int) -> np.ndarray:
     q0 = tp.bisr_inverse_coefficients(bands)
     if bands == 1:
         return q0
@@ -195,12 +204,22 @@ def optimize_banded_inverse(n: int, bands: int, participation="single", objectiv
     def fun(x):
         return banded_inverse_objective(x, problem)
 
-    f0 = fun(q0[1:].copy())[0]
-    if not math.isfinite(f0):
+    starts = [q0]
+    if bands > 2:
+        fewer = _optimize(problem, max(2, bands // 2), max_iter)
+        starts.append(np.concatenate([fewer, np.zeros(bands - fewer.size)]))
+    best, best_f = None, math.inf
+    for start in starts:
+        f0 = fun(start[1:].copy())[0]
+        if not math.isfinite(f0):
+            continue
+        x = lbfgs(fun, start[1:].copy(), max_iter=max_iter).x
+        q = np.concatenate([[1.0], x])
+        f = fun(x)[0]
+        if not (f <= f0 and _feasible(tp.series_inverse(q, problem.n), problem)):  # as the strategy computes C
+            q, f = start, f0
+        if f < best_f:
+            best, best_f = q, f
+    if best is None:
         raise CorrnoiseError("bands", f"bisr:{bands} is outside the precondition class for {problem.participation.spec}")
-    result = lbfgs(fun, q0[1:].copy(), max_iter=max_iter)
-    q = np.concatenate([[1.0], result.x])
-    c = tp.series_inverse(q, problem.n)  # as the strategy computes it
-    if not fun(result.x)[0] <= f0 or not _feasible(c, problem):
-        return q0
-    return q
+    return best
