@@ -214,6 +214,7 @@ def test_cli_multi_participation(tmp_path, capsys):
                  "--objective", "max", "--colnorm", "--out", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["strategy"] == "bandinv:4+colnorm" and data["participation"] == "cyclic:3:20"
+    assert data["nonnegative"] is True and data["sensitivity_exact"] is True
     s = parse_strategy(str(out), 60)
     assert s.label == "bandinv:4+colnorm"
     assert loss_report(s, "cyclic:3:20").max_loss == pytest.approx(data["max_loss"], rel=1e-12)

@@ -82,6 +82,7 @@ def optimize_command(kind, n, bands, buffers, participation, objective, workload
         "objective": objective.strip().lower(),
         "workload": report.workload,
         **losses,
+        "nonnegative": bool(strategy.is_nonnegative()),  # C >= 0: what the amplified accountants need
         "seconds": seconds,
         "file": path,
     }
