@@ -235,17 +235,14 @@ def sensitivity_banded(col_norms_sq, schema, n: int, bands: int) -> Sensitivity:
 
 
 def toeplitz_precondition_violation(coeffs, schema) -> str | None:
-    """Why the early-and-often pattern pi_0 = (0, b, ..., (k-1) b) may not be the worst one for
-    the lower-triangular Toeplitz C with first column ``coeffs`` (None: it is, and Lemma 3.15(b)
-    then gives sens^2 = ||C 1_{pi_0}||^2 exactly). The one place this precondition lives.
-
-    Single: never (column 0 has the largest norm). Min-Sep: c non-negative and non-increasing
-    (Lemma 3.16(c)). Cyclic: c non-negative suffices: C >= 0 makes C^T C >= 0 (Lemma 3.15(b)),
-    and (C 1_{pi_l})[r] = sum_{j: l + jb < n} c_{r-l-jb} <= (C 1_{pi_0})[r - l] entrywise (pi_0
-    has every j of pi_l, and each term is >= 0), so ||C 1_{pi_l}|| <= ||C 1_{pi_0}||.
-    """
-    c = np.asarray(coeffs, dtype=np.float64)
-    schema = _schema(schema)
+    """Why pi_0 = (0, b, ..., (k-1) b) may not be the worst pattern for the lower-triangular
+    Toeplitz C with first column ``coeffs`` (None: it is, and Lemma 3.15(b) then gives sens^2 =
+    ||C 1_{pi_0}||^2 exactly); the one place this precondition lives. Single: never (column 0 is
+    longest). Min-Sep: c >= 0 and non-increasing (Lemma 3.16(c)). Cyclic: c >= 0 suffices: then
+    C^T C >= 0 (Lemma 3.15(b)) and (C 1_{pi_l})[r] = sum_{j: l + jb < n} c_{r-l-jb} <=
+    (C 1_{pi_0})[r - l] entrywise (pi_0 has every j of pi_l; all terms >= 0), so ||C 1_{pi_l}||
+    <= ||C 1_{pi_0}||."""
+    c, schema = np.asarray(coeffs, dtype=np.float64), _schema(schema)
     if isinstance(schema, Single):
         return None
     tol = _MONO_RTOL * float(np.max(np.abs(c))) if c.size else 0.0
