@@ -9,6 +9,13 @@ DP-CGD with the new counter-based generator and with the old per-chunk torch.Gen
 (frozen in benchmarks/old_seed_noise.py), next to one ``torch.randn(dim)``; it reports the
 minimum and the median over the rounds and the ratios of the minima.
 
+``--steady 'NAME;NAME'`` (issue #13) times the steady state of regenerated banded-inverse noise
+(bisr:P, a bandinv mechanism file): every generator is first advanced ``--warm`` steps (>= P, so
+each step regenerates all P seed rows), then the mechanisms are timed interleaved round by round
+next to DP-SGD; memory is the generator's own account of what it holds beyond the returned
+vector (``extra_memory_bytes``) and, measured, the peak RSS of a fresh process that runs the
+same steps (``ru_maxrss``), minus DP-SGD's.
+
 Without it, prints a markdown section for benchmarks/RESULTS.md: `corrnoise bench noise` at m = dim
 (median of `repeats` runs of the per-step median) and, for scale, the time of
   * forward + backward + SGD step of a ~1e7-parameter MLP at batch 256 (non-private),
@@ -85,6 +92,75 @@ def print_compare(dim: int, rounds: int) -> None:
         print(f"| {name} | {lo[(name, o)] * 1e3:.1f} / {med[(name, o)] * 1e3:.1f} | "
               f"{lo[(name, n_)] * 1e3:.1f} / {med[(name, n_)] * 1e3:.1f} | {lo[(name, n_)] / lo[(name, o)]:.2f} | "
               f"{lo[(name, o)] / r:.2f} | {lo[(name, n_)] / r:.2f} |")
+
+
+def steady_state(names: list[str], dim: int, rounds: int, warm: int) -> dict:
+    """Per-step seconds of each mechanism (all rounds), after ``warm`` untimed steps each."""
+    from corrnoise.noise import make_generator
+
+    n = warm + rounds + 8
+    gens = {name: make_generator(bench_strategy(name, n)[0], dim, seed=1) for name in names}
+    for gen in gens.values():
+        for _ in range(warm):
+            gen.next_flat()
+    times = {name: [] for name in names}
+    for _ in range(rounds):
+        for name, gen in gens.items():
+            t = time.perf_counter()
+            out = gen.next_flat()
+            times[name].append(time.perf_counter() - t)
+            del out
+    extra = {name: gen.extra_memory_bytes() for name, gen in gens.items()}
+    labels = {name: gen.label if hasattr(gen, "label") else name for name, gen in gens.items()}
+    return {"times": times, "extra": extra, "kinds": {k: g.kind for k, g in gens.items()}, "labels": labels}
+
+
+_RSS_CHILD = """
+import resource, sys, torch
+from corrnoise.noise import make_generator
+from corrnoise.noise.bench import bench_strategy
+name, dim, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+gen = make_generator(bench_strategy(name, steps + 8)[0], dim, seed=1)
+for _ in range(steps):
+    out = gen.next_flat()
+    del out
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def peak_rss(name: str, dim: int, steps: int) -> int:
+    """Peak resident bytes of a fresh process that imports corrnoise and runs ``steps`` steps."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, name, str(dim), str(steps)], env=env,
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def print_steady(names: list[str], dim: int, rounds: int, warm: int, rss_repeats: int = 3) -> None:
+    if "dpsgd" not in names:
+        names = ["dpsgd", *names]
+    load0 = os.getloadavg()[0]
+    res = steady_state(names, dim, rounds, warm)
+    rss = {name: min(peak_rss(name, dim, warm + 4) for _ in range(rss_repeats)) for name in names}
+    load1 = os.getloadavg()[0]
+    lo = {k: min(v) for k, v in res["times"].items()}
+    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load average {load0:.1f} at start, {load1:.1f} at end; m = {dim:.0e} float32, {warm} warm-up steps, "
+          f"{rounds} interleaved rounds; peak RSS: min over {rss_repeats} fresh processes of {warm + 4} steps\n")
+    print("| mechanism | generator | ms/step min / median | x DP-SGD (min / median) | extra memory held (accounted) "
+          "| beyond DP-SGD | peak RSS beyond DP-SGD (measured) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name in names:
+        extra = res["extra"][name]
+        print(f"| {res['labels'][name]} | {res['kinds'][name]} | {lo[name] * 1e3:.1f} / {med[name] * 1e3:.1f} | "
+              f"{lo[name] / lo['dpsgd']:.2f} / {med[name] / med['dpsgd']:.2f} | {extra / 2**20:.3f} MiB | "
+              f"{extra - res['extra']['dpsgd']} B | {(rss[name] - rss['dpsgd']) / 2**20:+.2f} MiB |")
 
 
 def timed(fn, repeats: int = 7) -> float:
@@ -169,9 +245,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--compare-only", action="store_true")
+    ap.add_argument("--steady", default=None, help="';'-separated mechanisms timed in their steady state")
+    ap.add_argument("--warm", type=int, default=10)
     args = ap.parse_args()
     torch.manual_seed(0)
     dim = int(args.dim)
+    if args.steady:
+        print_steady(args.steady.split(";"), dim, args.rounds, args.warm)
+        return
     if args.compare_only:
         print_compare(dim, args.rounds)
         return

@@ -233,7 +233,7 @@ def test_bench_noise_command_json():
     rows = {r["mechanism"]: r for r in data["results"]}
     from corrnoise.noise.bench import REFERENCE_BLT4
 
-    assert list(rows) == ["dpsgd", "bsr:4", "bsr:16", "bsr:64", REFERENCE_BLT4, "dpcgd:0.9", "toeplitz-sqrt"]
+    assert list(rows) == ["dpsgd", "bsr:4", "bsr:16", "bsr:64", REFERENCE_BLT4, "dpcgd:0.9", "bisr:8", "toeplitz-sqrt"]
     assert all(r["seconds_per_step"] > 0 for r in rows.values())
     assert rows["dpsgd"]["extra_memory_bytes"] == scratch_bytes(3000, torch.float32)  # one block of seed noise
     assert rows["bsr:16"]["extra_memory_bytes"] >= 15 * 3000 * 4

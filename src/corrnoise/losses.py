@@ -28,6 +28,7 @@ from .sensitivity import (
     sensitivity_single,
     sensitivity_from_gram,
     sensitivity_toeplitz_monotone,
+    toeplitz_precondition_violation,
 )
 from .linalg.banded import banded_errors_squared
 from .linalg.tree import tree_cyclic_squared, tree_depth, tree_gram, tree_minsep_bound_squared
@@ -173,7 +174,7 @@ def mechanism_sensitivity(strategy: Strategy, participation: Participation | str
 
     Single participation: the max column norm (O(d^2) for BLT, Lemma 2.29(a)). The binary
     tree: :func:`sensitivity_tree`. Cyclic and Min-Sep: bands <= b -> Lemma 3.16(b) (exact, Alg. 3.2 for Min-Sep); Toeplitz with
-    non-negative non-increasing coefficients -> Eq. 3.25 (exact); otherwise Lemma 3.15 on the
+    non-negative non-increasing coefficients (cyclic: non-negative) -> Eq. 3.25 (exact); otherwise Lemma 3.15 on the
     materialized Gram matrix, exact when C^T C >= 0 on the patterns and an upper bound
     otherwise (``exact=False``).
     """
@@ -189,7 +190,7 @@ def mechanism_sensitivity(strategy: Strategy, participation: Participation | str
         return sensitivity_tree(n, schema)
     if strategy.bands <= schema.b:
         return sensitivity_banded(strategy.column_norms_squared(), schema, n, strategy.bands)
-    if _is_plain_toeplitz(strategy) and strategy.is_nonnegative_monotone():
+    if _is_plain_toeplitz(strategy) and toeplitz_precondition_violation(strategy.toeplitz_coefficients, schema) is None:
         return sensitivity_toeplitz_monotone(strategy.toeplitz_coefficients, schema, n)
     _require_materializable(strategy, "sensitivity (for this participation)")
     return sensitivity_dense(strategy.matrix(), schema)

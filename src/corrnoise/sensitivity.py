@@ -18,8 +18,8 @@ Methods:
 
 ``max-column-norm``               single participation, ``max_t ||C[:, t]||``
 ``banded-cyclic`` / ``banded-dp`` Lemma 3.16(b): bands <= b, cross terms vanish (any sign)
-``toeplitz-eq-3.25``              Lemma 3.16(c) / Eq. 3.25: lower-triangular Toeplitz, first
-                                  column non-negative and non-increasing; O(n k)
+``toeplitz-eq-3.25``              Lemma 3.16(c) / Eq. 3.25: lower-triangular Toeplitz, first column
+                                  >= 0 and non-increasing (cyclic: >= 0 suffices); O(n k)
 ``enumeration``                   Lemma 3.15(b) over all patterns, exact
 ``enumeration-abs-upper-bound``   Lemma 3.15(a) over all patterns (negative entries on a pattern)
 ``dp-relaxation-upper-bound``     Min-Sep with too many patterns: per-row DP then DP on the
@@ -48,6 +48,7 @@ __all__ = [
     "sensitivity_single",
     "sensitivity_banded",
     "sensitivity_toeplitz_monotone",
+    "toeplitz_precondition_violation",
     "sensitivity_from_gram",
     "dp_relaxation_bound",
     "sensitivity_dense",
@@ -233,12 +234,31 @@ def sensitivity_banded(col_norms_sq, schema, n: int, bands: int) -> Sensitivity:
     return Sensitivity(math.sqrt(max_reward_min_sep(r, b, k)), True, "banded-dp")
 
 
-def sensitivity_toeplitz_monotone(coeffs, schema, n: int) -> Sensitivity:
-    """Eq. 3.25 for lower-triangular Toeplitz ``C`` with first column ``coeffs``.
+def toeplitz_precondition_violation(coeffs, schema) -> str | None:
+    """Why pi_0 = (0, b, ..., (k-1) b) may not be the worst pattern for the lower-triangular
+    Toeplitz C with first column ``coeffs`` (None: it is, and Lemma 3.15(b) then gives sens^2 =
+    ||C 1_{pi_0}||^2 exactly); the one place this precondition lives. Single: never (column 0 is
+    longest). Min-Sep: c >= 0 and non-increasing (Lemma 3.16(c)). Cyclic: c >= 0 suffices: then
+    C^T C >= 0 (Lemma 3.15(b)) and (C 1_{pi_l})[r] = sum_{j: l + jb < n} c_{r-l-jb} <=
+    (C 1_{pi_0})[r - l] entrywise (pi_0 has every j of pi_l; all terms >= 0), so ||C 1_{pi_l}||
+    <= ||C 1_{pi_0}||."""
+    c, schema = np.asarray(coeffs, dtype=np.float64), _schema(schema)
+    if isinstance(schema, Single):
+        return None
+    tol = _MONO_RTOL * float(np.max(np.abs(c))) if c.size else 0.0
+    if np.any(c < -tol):
+        return f"needs non-negative Toeplitz coefficients (min {c.min():g})"
+    if isinstance(schema, MinSep) and c.size > 1 and np.any(np.diff(c) > tol):
+        j = int(np.argmax(np.diff(c) > tol))
+        return f"needs non-increasing Toeplitz coefficients under minsep (c[{j + 1}] > c[{j}])"
+    return None
 
-    For Cyclic and Min-Sep the coefficients must be non-negative and non-increasing
-    (Lemma 3.16(c)); then the early-and-often pattern ``(0, b, ..., (k-1) b)`` is worst and
-    ``sens^2 = ||sum_{j<k} C[:, j b]||^2``, computed from the coefficients in ``O(n k)``.
+
+def sensitivity_toeplitz_monotone(coeffs, schema, n: int) -> Sensitivity:
+    """Eq. 3.25 for lower-triangular Toeplitz ``C`` with first column ``coeffs``:
+    ``sens^2 = ||sum_{j<k} C[:, j b]||^2`` in ``O(n k)``, exact under the precondition of
+    :func:`toeplitz_precondition_violation` (Min-Sep: non-negative and non-increasing, Lemma
+    3.16(c); Cyclic: non-negative), else CorrnoiseError('strategy').
     ``coeffs`` may be shorter than ``n`` (a banded Toeplitz strategy): missing ones are zero.
     For Single, ``sens = ||coeffs||`` (column 0 has the largest norm) for any coefficients.
     """
@@ -253,20 +273,9 @@ def sensitivity_toeplitz_monotone(coeffs, schema, n: int) -> Sensitivity:
         return Sensitivity(float(np.linalg.norm(c)), True, "max-column-norm")
     if not isinstance(schema, (Cyclic, MinSep)):
         raise CorrnoiseError("participation", f"unsupported schema {schema!r}")
-    tol = _MONO_RTOL * float(np.max(np.abs(c)))
-    if np.any(c < -tol):
-        raise CorrnoiseError(
-            "strategy",
-            f"Eq. 3.25 needs non-negative Toeplitz coefficients (min {c.min():g}); "
-            "use sensitivity_dense instead",
-        )
-    if c.size > 1 and np.any(np.diff(c) > tol):
-        j = int(np.argmax(np.diff(c) > tol))
-        raise CorrnoiseError(
-            "strategy",
-            f"Eq. 3.25 needs non-increasing Toeplitz coefficients (c[{j + 1}] > c[{j}]); "
-            "use sensitivity_dense instead",
-        )
+    why = toeplitz_precondition_violation(c, schema)
+    if why is not None:
+        raise CorrnoiseError("strategy", f"Eq. 3.25 {why}; use sensitivity_dense instead")
     full = np.zeros(n)
     full[: c.size] = c
     b = schema.b

@@ -47,7 +47,7 @@ def _progress_display(enabled: bool, title: str):
 @click.option("--participation", default="single", show_default=True, help="single | cyclic:K:B | minsep:K:B")
 @click.option("--objective", default="rms", show_default=True, help="rms | max")
 @click.option("--workload", default="prefix", show_default=True, help="prefix | momentum:BETA[:WEIGHT_DECAY]")
-@click.option("--colnorm", is_flag=True, help="banded-toeplitz: normalize the columns afterwards.")
+@click.option("--colnorm", is_flag=True, help="banded-toeplitz: normalize the columns afterwards; bandinv: optimize the column-normalized C.")
 @click.option("--out", "out", default=None, help="Mechanism file to write (.json; dense/banded arrays go to a sibling .npz).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def optimize_command(kind, n, bands, buffers, participation, objective, workload, colnorm, out, as_json):
@@ -82,6 +82,7 @@ def optimize_command(kind, n, bands, buffers, participation, objective, workload
         "objective": objective.strip().lower(),
         "workload": report.workload,
         **losses,
+        "nonnegative": bool(strategy.is_nonnegative()),  # C >= 0: what the amplified accountants need
         "seconds": seconds,
         "file": path,
     }

@@ -75,8 +75,8 @@ def run_optimize(kind: str, n: int, bands=None, buffers=None, participation: str
         if kind != "blt":
             raise CorrnoiseError("buffers", f"only applies to blt, not {kind}")
         buffers = check_int("buffers", buffers, minimum=1, maximum=10)
-    if colnorm and kind != "banded-toeplitz":
-        raise CorrnoiseError("colnorm", f"only applies to banded-toeplitz ({kind} strategies are already column-normalized or need not be)")
+    if colnorm and kind not in ("banded-toeplitz", "bandinv"):
+        raise CorrnoiseError("colnorm", f"only applies to banded-toeplitz and bandinv ({kind} strategies are already column-normalized or need not be)")
 
     t0 = time.perf_counter()
     if kind == "dense":
@@ -96,9 +96,11 @@ def run_optimize(kind: str, n: int, bands=None, buffers=None, participation: str
         from ..strategies.toeplitz import BandedInverse
         from .banded_inverse import optimize_banded_inverse
 
-        if schema.spec != "single" or objective != "rms":
-            raise CorrnoiseError("kind", "bandinv is optimized for the RMS loss under single participation only")
-        strategy = BandedInverse(n, optimize_banded_inverse(n, bands))
+        strategy = BandedInverse(n, optimize_banded_inverse(n, bands, schema, objective, wl, bool(colnorm)))
+        if colnorm:
+            from ..strategies import ColumnNormalized
+
+            strategy = ColumnNormalized(strategy)
     else:
         from .blt import optimize_blt
 
