@@ -118,8 +118,8 @@ def mixture_tail_threshold(weights: np.ndarray, q: float, scale: np.ndarray, del
         f_new = _threshold_at(np.where(left, a, c), weights, log_q, log_1mq, scale, log_delta)
         fa, fc = np.where(left, f_new, f_keep), np.where(left, f_keep, f_new)
         best = np.minimum(best, np.minimum(fa, fc))
-    # round-off guard: the returned threshold only needs to be at least the valid b(u)
-    return best * (1.0 + 1e-12) + 1e-300
+    # round-off guard: any threshold above a valid b(u) is valid (the tail decreases in b)
+    return best + 1e-12 * np.abs(best)
 
 
 def peeling_blocks(offset: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
