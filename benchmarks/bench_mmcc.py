@@ -10,6 +10,12 @@ and prints a markdown table for benchmarks/RESULTS.md:
 
 Plus one generalized-MMCC row (block-cyclic, bands <= blocks) against the tutorial Thm 3.21
 reduction.  Usage: ``.venv/bin/python benchmarks/bench_mmcc.py [--quick]``.
+
+``--sweep`` (issue #12) instead tabulates tightness across noise multipliers {1, 2, 4, 8, 16} for
+``toeplitz-sqrt``, n = 512, Poisson p = 1/16, delta = 1e-6: MMCC (guarantee), the p~ = p lower
+bound, their ratio, the unamplified Gaussian epsilon, and the same for block-cyclic sampling
+(``--blocks``, default 16 blocks at rate 1/2) where the unamplified analysis of that schedule is a
+competing guarantee.
 """
 
 from __future__ import annotations
@@ -40,11 +46,58 @@ def _load() -> str:
         return "n/a"
 
 
+SWEEP_MULTIPLIERS = (1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+def _sweep_discretization(mult: float) -> float:
+    """Loss-grid step for the sweep: the default 1e-4 from multiplier 4 up; coarser below, where
+    epsilon is in the hundreds (pessimistic rounding costs at most rows x step in epsilon)."""
+    return 1e-4 if mult >= 4 else (1e-3 if mult >= 2 else 1e-2)
+
+
+def sweep(multipliers, blocks: int, block_p: float, batchings: str) -> None:
+    """MMCC / lower-bound ratios across noise multipliers (issue #12), Poisson and block-cyclic."""
+    n, p = 512, 1 / 16
+    strat = parse_strategy("toeplitz-sqrt", n)
+    col = float(strat.column_norms_squared().max()) ** 0.5
+    print("| batching | sigma | noise_std | loss step | eps MMCC (guarantee) | eps MMCC before min | eps lower (p~=p) "
+          "| MMCC / lower | eps unamplified | binding | max p~/p | delta_1/delta | s MMCC | s lower | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
+    schedules = [("poisson:1/16", 1, p), (f"block-cyclic:{blocks}:{block_p:g}", blocks, block_p)]
+    schedules = [sc for sc, keep in zip(schedules, ("poisson" in batchings, "block" in batchings)) if keep]
+    for label, bl, pp in schedules:
+        for mult in sorted(multipliers, reverse=True):
+            nu = mult * col
+            step = _sweep_discretization(mult)
+            load = _load()
+            t0 = time.perf_counter()
+            res = mmcc_epsilon(strat, n, pp, nu, DELTA, blocks=bl, loss_discretization=step)
+            t_up = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            low = mmcc_epsilon(strat, n, pp, nu, DELTA, blocks=bl, lower_bound=True, loss_discretization=step)
+            t_low = time.perf_counter() - t0
+            x = res.extras
+            print(f"| {label} | {mult:g} | {nu:.4f} | {step:g} | {res.epsilon:.4g} | {x['epsilon_mmcc']:.4g} | {low.epsilon:.4g} "
+                  f"| {res.epsilon / low.epsilon:.2f} | {x['epsilon_unamplified']:.4g} | {x['binding']} "
+                  f"| {x['max_p_tilde_ratio']:.2f} | {x.get('delta_split', 0):g} | {t_up:.1f} | {t_low:.1f} "
+                  f"| {load} |", flush=True)
+    print(f"\ndelta = {DELTA:g}; load after: {_load()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="only the first case of each mechanism")
     parser.add_argument("--no-lower", action="store_true", help="skip the lower-bound variant")
+    parser.add_argument("--sweep", action="store_true", help="issue #12 tightness sweep over noise multipliers")
+    parser.add_argument("--multipliers", type=float, nargs="+", default=list(SWEEP_MULTIPLIERS))
+    parser.add_argument("--blocks", type=int, default=16, help="block-cyclic blocks in the sweep")
+    parser.add_argument("--block-p", type=float, default=0.5, help="block-cyclic sampling rate in the sweep")
+    parser.add_argument("--batchings", default="poisson,block", help="which schedules the sweep runs")
     args = parser.parse_args()
+    if args.sweep:
+        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+        sweep(args.multipliers, args.blocks, args.block_p, args.batchings)
+        return
     cases = CASES[::2] if args.quick else CASES
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
     rows = []

@@ -7,10 +7,14 @@ Gaussians whose sensitivity is dominated (w.h.p.) by the product mixture
     S_i = sum_j C[i, j] * Bernoulli(p~[i, j]),      p~[i, j] = p e^eps_ij / (p e^eps_ij + 1 - p),
 
 where eps_ij is a tail bound on the privacy loss of a participation in round j given the first
-i - 1 outputs (Probability Tail Bounds, seed 001 Fig. 5, with App. F.3's binomial bound on the
-inner products).  The bad events have total probability delta_1 (Thm 3.1 / C.2); the composition
-of the per-row PMoG privacy loss distributions is (eps, delta_2)-DP, so the mechanism is
-(eps, delta_1 + delta_2)-DP.  ``delta_1`` is chosen to minimize eps.
+i - 1 outputs (Probability Tail Bounds, seed 001 Fig. 5; issue #12 replaced the paper's
+per-pair union bound by Levy peeling along each column and the joint tail of the inner product,
+see :func:`.tails.probability_tail_bounds`).  The bad events have total probability delta_1
+(Thm 3.1 / C.2); the composition of the per-row PMoG privacy loss distributions is
+(eps, delta_2)-DP, so the mechanism is (eps, delta_1 + delta_2)-DP.  ``delta_1`` is chosen to
+minimize eps.  The reported epsilon is the smaller of this and the unamplified Gaussian
+mechanism's (worst participation pattern of the schedule); both are (eps, delta)-DP guarantees
+for the same mechanism at the same delta, so their minimum is one too.
 
 Generalized MMCC (seed 001 App. D, Alg. 3) analyses block-cyclic sampling (tutorial Def. 3.20:
 step t samples block t mod BLOCKS with rate p): keep the columns of one block's rounds, compose
@@ -51,13 +55,15 @@ from .driver import mmcc_delta, mmcc_epsilon, mmcc_plds, unamplified_sensitivity
 from .pld import (DEFAULT_LOSS_DISCRETIZATION, DiscretePLD, compose, compose_all, pld_delta, pld_epsilon,
                   self_compose)
 from .pmog import DEFAULT_SENSITIVITY_TOLERANCE, pmog_pld, sensitivity_pmf
-from .tails import binomial_tail_count, probability_tail_bounds
+from .tails import binomial_tail_count, mixture_tail_threshold, peeling_blocks, probability_tail_bounds
 
 __all__ = [
     "DiscretePLD",
     "DEFAULT_LOSS_DISCRETIZATION",
     "binomial_tail_count",
     "probability_tail_bounds",
+    "mixture_tail_threshold",
+    "peeling_blocks",
     "sensitivity_pmf",
     "pmog_pld",
     "compose",

@@ -230,8 +230,10 @@ def mmcc_epsilon(
 
     delta = delta_1 (tail bounds) + delta_2 (PLD); the split is the best of ``delta_split``
     candidate fractions delta_1 / delta (a float fixes it).  The reported epsilon is the
-    smaller of MMCC and the unamplified Gaussian mechanism (both are valid guarantees; the
-    extras say which one binds).  ``lower_bound=True`` instead composes the rows as if
+    smaller of MMCC and the unamplified Gaussian mechanism with the schedule's worst
+    participation pattern (every round for Poisson, every round of one block for block-cyclic):
+    each is an (eps, delta)-DP guarantee for this mechanism at this delta, so the mechanism is
+    (min, delta)-DP; the extras say which one binds.  ``lower_bound=True`` instead composes the rows as if
     independent with every p~ = p and all of delta in the PLD (seed 001 "Tightness"): an
     estimate from below of the true epsilon, for reporting how tight MMCC is -- not a guarantee.
     """
