@@ -180,16 +180,22 @@ class ToeplitzSqrt(_ParameterFree):
 
 
 
+def _check_bands(n, bands) -> tuple[int, int]:
+    """(n, bands) checked: 1 <= bands <= n (bsr:B, bisr:P)."""
+    n = check_int("n", n, minimum=1)
+    bands = check_int("bands", bands, minimum=1)
+    if bands > n:
+        raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
+    return n, bands
+
+
 class BandedSqrt(Toeplitz):
     """``bsr:B``: banded Toeplitz with the first B coefficients of A_pre^{1/2} (tutorial Thm 2.13)."""
 
     kind = "bsr"
 
     def __init__(self, n: int, bands: int):
-        n = check_int("n", n, minimum=1)
-        bands = check_int("bands", bands, minimum=1)
-        if bands > n:
-            raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
+        n, bands = _check_bands(n, bands)
         self._bands = bands
         super().__init__(tp.prefix_sqrt_coefficients(bands), n)
 
@@ -302,10 +308,7 @@ class BandedInverseSqrt(BandedInverse):
     kind = "bisr"
 
     def __init__(self, n: int, bands: int):
-        n = check_int("n", n, minimum=1)
-        bands = check_int("bands", bands, minimum=1)
-        if bands > n:
-            raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
+        n, bands = _check_bands(n, bands)
         super().__init__(n, tp.bisr_inverse_coefficients(bands), coefficients=tp.bisr_coefficients(bands, n))
 
     @property
