@@ -41,6 +41,19 @@ from corrnoise.noise.bench import REFERENCE_BLT4, bench_noise, bench_strategy
 COMPARE = ("dpsgd", "bsr:4", REFERENCE_BLT4, "dpcgd:0.9")
 
 
+
+def interleaved_times(gens: dict, rounds: int) -> dict:
+    """Seconds per ``next_flat()`` of each generator, rounds interleaved across generators (so a
+    load change hits every mechanism alike)."""
+    times = {name: [] for name in gens}
+    for _ in range(rounds):
+        for name, gen in gens.items():
+            t = time.perf_counter()
+            out = gen.next_flat()
+            times[name].append(time.perf_counter() - t)
+            del out
+    return times
+
 def old_vs_new(dim: int, rounds: int) -> dict:
     """Per-step seconds (all rounds) of every COMPARE mechanism, old and new, and torch.randn."""
     import sys
@@ -103,13 +116,7 @@ def steady_state(names: list[str], dim: int, rounds: int, warm: int) -> dict:
     for gen in gens.values():
         for _ in range(warm):
             gen.next_flat()
-    times = {name: [] for name in names}
-    for _ in range(rounds):
-        for name, gen in gens.items():
-            t = time.perf_counter()
-            out = gen.next_flat()
-            times[name].append(time.perf_counter() - t)
-            del out
+    times = interleaved_times(gens, rounds)
     extra = {name: gen.extra_memory_bytes() for name, gen in gens.items()}
     labels = {name: gen.label if hasattr(gen, "label") else name for name, gen in gens.items()}
     return {"times": times, "extra": extra, "kinds": {k: g.kind for k, g in gens.items()}, "labels": labels}

@@ -34,7 +34,7 @@ SIGMA, CLIP = 1.0, 1.0
 METHODS = ["plain", "opacus_hooks", "opacus_ghost", "corrnoise_vmap", "engine"]
 #: the real private step of the front door (make_private: engine + the mechanism's noise generator)
 FRONT = {"dpsgd": "identity", "bsr4": "bsr:4", "blt4": "blt:0.25,0.15,0.08,0.04:0.995,0.95,0.8,0.4",
-         "dpcgd": "dpcgd:0.9"}
+         "dpcgd": "dpcgd:0.9", "tree": "tree:plain", "bisr8": "bisr:8"}
 METHODS += [f"front_{k}" for k in FRONT]
 #: opake 0.16.x (the peer, issue #10): its functional private step, each mechanism built with its
 #: public strategy factories (opake.dpftrl.noise) and i.i.d. Gaussian DP-SGD (opake.dpsgd.noise);

@@ -49,13 +49,9 @@ def noise(n: int, dim: int, rounds: int) -> None:
         gen = make_generator(parse_strategy(name, n), dim, seed=1)
         gen.next_flat()  # warm-up
         gens[name] = gen
-    times = {name: [] for name in gens}
-    for _ in range(rounds):
-        for name, gen in gens.items():
-            t0 = time.perf_counter()
-            out = gen.next_flat()
-            times[name].append(time.perf_counter() - t0)
-            del out
+    from bench_noise import interleaved_times
+
+    times = interleaved_times(gens, rounds)
     base = statistics.mean(times["dpsgd"])
     print("| mechanism | stream buffers | extra MiB | min ms | median ms | mean ms | mean / DP-SGD mean |")
     print("|---|---|---|---|---|---|---|")
