@@ -58,3 +58,24 @@ def test_bad_input_is_one_line(capsys):
     assert capsys.readouterr().err.strip().startswith("error: batch_size:")
     assert main(["train", "--mechanism", "dpsgd", "--epsilon", "8", "--delta", "1e-5", "--device", "tpu"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: device:")
+
+
+def test_train_refuses_a_malformed_choice():
+    from corrnoise.errors import CorrnoiseError
+    from corrnoise.training import train
+
+    with pytest.raises(CorrnoiseError, match="^choice: must be a choose_mechanism"):
+        train("digits", "dpsgd", epsilon=1.0, delta=1e-5, choice={"mechanism": "dpsgd"})
+
+
+def test_candidate_choice_refuses_a_screened_candidate():
+    from corrnoise.errors import CorrnoiseError
+    from corrnoise.planner import plan
+    from corrnoise.training import candidate_choice
+
+    result = plan(dataset_size=1000, batch_size=50, epochs=2, epsilon=2.0, delta=1e-5, pipeline="poisson",
+                  only="dpsgd,bandmf", screen_samples=1 << 11, seed=1)
+    screened = next(c for c in result.candidates if c.calibrated and not c.final)
+    with pytest.raises(CorrnoiseError, match="^candidate: .* has no final guarantee"):
+        candidate_choice(screened, result)
+    assert candidate_choice(result.recommended, result)["noise"]["guarantee"] is result.recommended.result

@@ -117,6 +117,9 @@ def train(
     n_ex = len(data.y_train)
     batch = check_int("batch_size", hp["batch_size"], minimum=1, maximum=n_ex)
 
+    if choice is not None and (not isinstance(choice, dict)
+                               or not {"mechanism", "batching", "noise", "label"} <= set(choice)):
+        raise CorrnoiseError("choice", "must be a choose_mechanism() / candidate_choice() result")
     if choice is None:
         choice = choose_mechanism(mechanism, num_examples=n_ex, batch_size=batch, epochs=epochs, epsilon=epsilon,
                                   delta=delta, pipeline=batching, progress=progress)
