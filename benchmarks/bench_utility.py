@@ -130,23 +130,38 @@ def _accuracy(model, x, y) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
-def run(epsilons, seeds, out: str, opacus: bool, cache_dir: str | None, plan_only: bool) -> None:
+def _done(out: str) -> tuple[set, set]:
+    """(epsilons with a plan row, (epsilon, family, seed) with a run row) already in ``out``:
+    a re-run fills only the gaps."""
+    if not os.path.exists(out):
+        return set(), set()
+    plans, runs = _read(out)
+    return ({p["epsilon_target"] for p in plans},
+            {(r["epsilon_target"], r["family"], r["seed"]) for r in runs})
+
+
+def run(epsilons, seeds, out: str, opacus: bool, cache_dir: str | None, plan_only: bool,
+        skip_from: str | None = None) -> None:
+    planned_eps, done = _done(skip_from or out)
     for eps in epsilons:
         planned, best, seconds = plan_epsilon(eps, cache_dir)
         if plan_only:
             continue
         rec = planned.recommended
-        _emit(out, {"type": "plan", "epsilon_target": eps, "seconds": seconds, "load": os.getloadavg()[0],
-                    "recommended": rec.mechanism, "recommended_family": rec.family,
-                    "recommended_batching": rec.batching,
-                    "families": {f: c.to_dict() for f, c in best.items()}})
+        if eps not in planned_eps:
+            _emit(out, {"type": "plan", "epsilon_target": eps, "seconds": seconds, "load": os.getloadavg()[0],
+                        "recommended": rec.mechanism, "recommended_family": rec.family,
+                        "recommended_batching": rec.batching,
+                        "families": {f: c.to_dict() for f, c in best.items()}})
         for seed in seeds:
             for fam, cand in best.items():
+                if (eps, fam, seed) in done:
+                    continue
                 row = train_ours(eps, fam, cand, planned, seed)
                 row.update(type="run", family=fam, requested=fam, epsilon_target=eps, seed=seed,
                            recommended=(cand is rec), rms_error=cand.rms_error, load=os.getloadavg()[0])
                 _emit(out, row)
-            if opacus and "dpsgd" in best:
+            if opacus and "dpsgd" in best and (eps, "opacus", seed) not in done:
                 row = train_opacus(eps, best["dpsgd"].noise_multiplier, seed)
                 row.update(type="run", family="opacus", requested="opacus", epsilon_target=eps, seed=seed,
                            recommended=False, rms_error=best["dpsgd"].rms_error, load=os.getloadavg()[0])
@@ -232,6 +247,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-opacus", action="store_true")
     ap.add_argument("--cache", default=".data/bench_utility", help="where plans are pickled ('' = none)")
     ap.add_argument("--plan-only", action="store_true", help="plan, finalize and cache; train nothing")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--skip-from", metavar="JSONL", help="skip runs already in this file (default: --out); lets "
+                    "two processes with separate --out files share one record")
     ap.add_argument("--table", metavar="JSONL")
     ap.add_argument("--plot", metavar="PNG")
     a = ap.parse_args(argv)
@@ -241,7 +259,11 @@ def main(argv=None) -> None:
         if a.plot:
             plot(a.table or a.out, a.plot)
         return
-    run(a.epsilons, a.seeds, a.out, not a.no_opacus, a.cache or None, a.plan_only)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    run(a.epsilons, a.seeds, a.out, not a.no_opacus, a.cache or None, a.plan_only, a.skip_from)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,23 @@ def _progress_display(enabled: bool, title: str):
 @click.option("--workload", default="prefix", show_default=True, help="prefix | momentum:BETA[:WEIGHT_DECAY]")
 @click.option("--colnorm", is_flag=True, help="banded-toeplitz: normalize the columns afterwards; bandinv: optimize the column-normalized C.")
 @click.option("--out", "out", default=None, help="Mechanism file to write (.json; dense/banded arrays go to a sibling .npz).")
+@click.option("--amplification", default=None,
+              help="balls-in-bins: minimize the amplified rms_error (blt, banded-toeplitz, toeplitz; needs "
+                   "--participation cyclic:EPOCHS:BINS, --epsilon, --delta).")
+@click.option("--epsilon", type=float, default=None, help="Target epsilon (with --amplification).")
+@click.option("--delta", type=float, default=None, help="Target delta (with --amplification).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def optimize_command(kind, n, bands, buffers, participation, objective, workload, colnorm, out, as_json):
+def optimize_command(kind, n, bands, buffers, participation, objective, workload, colnorm, amplification, epsilon,
+                     delta, out, as_json):
     """Optimize a KIND strategy (dense, banded, banded-toeplitz, blt, bandinv) and write a mechanism file."""
     if out is not None and not str(out).endswith(".json"):
         raise CorrnoiseError("out", f"mechanism files end in .json, got {out!r}")
+    if amplification is not None:
+        return _amplified(kind, n, bands, buffers, participation, objective, workload, colnorm, amplification,
+                          epsilon, delta, out, as_json)
+    for name, value in (("epsilon", epsilon), ("delta", delta)):
+        if value is not None:
+            raise CorrnoiseError(name, "is only used with --amplification balls-in-bins")
     show = (not as_json) and sys.stderr.isatty()
     with _progress_display(show, f"optimize {kind}") as callbacks:
         strategy, report, seconds = run_optimize(kind, n, bands, buffers, participation, objective, workload,
@@ -87,6 +99,38 @@ def optimize_command(kind, n, bands, buffers, participation, objective, workload
         "file": path,
     }
     emit(data, as_json, f"corrnoise optimize {kind}")
+
+
+def _amplified(kind, n, bands, buffers, participation, objective, workload, colnorm, amplification, epsilon, delta,
+               out, as_json):
+    """``--amplification balls-in-bins``: :func:`corrnoise.planner.amplified.optimize_amplified`."""
+    from ..participation import Cyclic, parse_participation
+    from ..planner.amplified import optimize_amplified
+
+    if str(amplification).strip().lower() != "balls-in-bins":
+        raise CorrnoiseError("amplification", f"only balls-in-bins is supported, got {amplification!r}")
+    part = parse_participation(participation)
+    if not isinstance(part, Cyclic) or part.k * part.b != n:
+        raise CorrnoiseError("participation", f"--amplification balls-in-bins needs cyclic:EPOCHS:BINS with "
+                                              f"EPOCHS * BINS = n = {n}, got {participation!r}")
+    if epsilon is None or delta is None:
+        raise CorrnoiseError("epsilon" if epsilon is None else "delta", "is required with --amplification")
+    if objective.strip().lower() != "rms" or workload.strip().lower() != "prefix" or colnorm:
+        raise CorrnoiseError("objective", "--amplification optimizes the prefix rms_error only "
+                                          "(no --objective max, --workload or --colnorm)")
+    show = (not as_json) and sys.stderr.isatty()
+    with _progress_display(show, f"optimize {kind} (balls-in-bins)") as (_, on_iteration):
+        res = optimize_amplified(kind, n, part.b, epsilon, delta, bands=bands, buffers=buffers,
+                                 progress=on_iteration)
+    path = None
+    if out is not None:
+        from ..strategies import save_mechanism
+
+        designed_for = {"participation": part.spec, "objective": "rms", "workload": "prefix",
+                        "amplification": f"balls-in-bins:{part.b}", "epsilon": epsilon, "delta": delta}
+        path = str(save_mechanism(res.strategy, out, designed_for=designed_for,
+                                  losses={"rms_error": res.rms_error, "noise_std": res.noise_std}))
+    emit({**res.to_dict(), "file": path}, as_json, f"corrnoise optimize {kind} --amplification balls-in-bins")
 
 
 __all__ = ["optimize_command"]
