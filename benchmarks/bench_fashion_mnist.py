@@ -2,12 +2,14 @@
 
     make data
     PYTHONPATH=src python benchmarks/bench_fashion_mnist.py --runs dpsgd:poisson:2.93:0 auto:cyclic:2.93:0 \
+        opacus:poisson:2.93:0 \
         --out benchmarks/fashion_mnist_runs.jsonl
 
 Each run is ``corrnoise.training.train("fashion-mnist", MECHANISM, batching=PIPELINE, epsilon=EPS,
 delta=1e-5, seed=SEED)`` with the dataset's defaults (Papernot et al. 2021 tanh CNN, batch 2048,
 40 epochs, SGD lr 4 momentum 0.9, clip 0.1, standardized inputs): ``dpsgd`` is the planner's
-DP-SGD for the pipeline, ``auto`` the planner's recommendation for it. One JSON line per run
+DP-SGD for the pipeline, ``auto`` the planner's recommendation for it, ``opacus`` (poisson only)
+Opacus's PrivacyEngine with the same model and hyperparameters at our DP-SGD noise multiplier. One JSON line per run
 (mechanism, batching, accounting, kind, epsilon, test accuracy, seconds) is appended to ``--out``;
 ``--table`` prints a markdown table of a results file (mean and range over seeds).
 """
@@ -26,6 +28,8 @@ def run(spec: str) -> dict:
     from corrnoise.training import train
 
     mechanism, pipeline, eps, seed = spec.split(":")
+    if mechanism == "opacus":
+        return run_opacus(pipeline, float(eps), int(seed))
     t0 = time.perf_counter()
     res = train("fashion-mnist", mechanism, batching=pipeline, epsilon=float(eps), delta=1e-5, seed=int(seed),
                 device="cpu")
@@ -34,6 +38,25 @@ def run(spec: str) -> dict:
                                "seconds_planning", "seconds_training")}
     out.update(requested=mechanism, seed=int(seed), seconds=time.perf_counter() - t0,
                load=os.getloadavg()[0], history=res["history"])
+    return out
+
+
+def run_opacus(pipeline: str, eps: float, seed: int) -> dict:
+    """Opacus DP-SGD (Poisson only) at our planner's DP-SGD noise multiplier for the same budget."""
+    from opacus_baseline import train_opacus
+
+    from corrnoise.datasets import load
+    from corrnoise.planner import plan
+
+    if pipeline != "poisson":
+        raise SystemExit(f"opacus runs only under the poisson pipeline, got {pipeline!r}")
+    hp = load("fashion-mnist").defaults
+    t0 = time.perf_counter()
+    dpsgd = plan(dataset_size=60_000, batch_size=hp["batch_size"], epochs=hp["epochs"], epsilon=eps, delta=1e-5,
+                 only=("dpsgd",), pipeline="poisson").recommended
+    out = train_opacus("fashion-mnist", dpsgd.noise_multiplier, seed, 1e-5)
+    out.update(pipeline="poisson", epsilon_target=eps, seconds_planning=0.0, requested="opacus", seed=seed, seconds=time.perf_counter() - t0,
+               load=os.getloadavg()[0])
     return out
 
 
@@ -92,7 +115,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/fashion_mnist_runs.jsonl")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--plot", default=None, help="write a PNG bar chart of the results file")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     for spec in args.runs:
         r = run(spec)
         print(json.dumps({k: v for k, v in r.items() if k != "history"}), flush=True)

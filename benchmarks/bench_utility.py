@@ -87,47 +87,9 @@ def train_ours(eps: float, fam: str, cand, planned, seed: int) -> dict:
 
 def train_opacus(eps: float, noise_multiplier: float, seed: int) -> dict:
     """Opacus 1.x DP-SGD: same model, data, hyperparameters; Poisson sampling at rate B/N."""
-    import torch
-    from opacus import PrivacyEngine
+    from opacus_baseline import train_opacus as opacus_run
 
-    from corrnoise.datasets import load
-    from corrnoise.models import model_for
-
-    data = load("mnist1d", n_train=N_TRAIN, n_test=N_TEST)
-    xtr, ytr, xte, yte = data.tensors()
-    hp = data.defaults
-    torch.manual_seed(seed)
-    model = model_for("mnist1d")
-    opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"])
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xtr, ytr), batch_size=BATCH)
-    engine = PrivacyEngine(accountant="prv")
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                             noise_multiplier=noise_multiplier, max_grad_norm=hp["clip_norm"],
-                                             poisson_sampling=True)
-    crit = torch.nn.CrossEntropyLoss()
-    t0 = time.perf_counter()
-    history = []
-    for _ in range(EPOCHS):
-        model.train()
-        for x, y in loader:
-            opt.zero_grad()
-            crit(model(x), y).backward()
-            opt.step()
-        history.append(_accuracy(model, xte, yte))
-    seconds = time.perf_counter() - t0
-    return {"mechanism": "opacus-dpsgd", "strategy": "identity", "batching": f"poisson:{BATCH / N_TRAIN:g}",
-            "accounting": "opacus prv", "kind": "estimate (Opacus PRV accountant, not ours)",
-            "epsilon": float(engine.get_epsilon(DELTA)), "noise_multiplier": noise_multiplier,
-            "steps": EPOCHS * len(loader), "test_accuracy": history[-1], "seconds_training": seconds,
-            "history": history}
-
-
-def _accuracy(model, x, y) -> float:
-    import torch
-
-    model.eval()
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
+    return opacus_run("mnist1d", noise_multiplier, seed, DELTA, {"n_train": N_TRAIN, "n_test": N_TEST})
 
 
 def _done(out: str) -> tuple[set, set]:
