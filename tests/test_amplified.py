@@ -135,3 +135,10 @@ def test_cli_epsilon_without_amplification_is_one_line(capsys):
     code = main(["optimize", "blt", "--n", "32", "--epsilon", "2"])
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1 and "epsilon" in err
+
+
+@pytest.mark.parametrize("kind", ["blt", "toeplitz"])
+def test_every_kind_runs_end_to_end_with_c_nonnegative(kind):
+    res = am.optimize_amplified(kind, 32, 8, 2.0, 1e-3, buffers=2, steps=3, samples=1024, final_samples=1 << 14)
+    assert res.result_kind == "guarantee" and res.strategy.is_nonnegative() and res.strategy.n == 32
+    assert res.rms_error == pytest.approx(res.noise_std * error_summary(res.strategy)[0], rel=1e-12)

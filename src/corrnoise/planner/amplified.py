@@ -245,16 +245,15 @@ def _start(kind: str, n: int, bins: int, bands: int | None, buffers: int | None)
     k = n if kind == "toeplitz" else bands
     strat = optimize_banded_toeplitz(n, k, participation=part)
     c = np.asarray(strat.coefficients, dtype=float)[:k]
-    if not np.all(c > 0.0):
-        raise CorrnoiseError("kind", f"the unamplified {kind} start point has coefficients <= 0; "
-                                     "balls-in-bins accounting needs C >= 0")
     c = c / c[0]
-    theta0 = np.log(c[1:])
+    # the unamplified optimum may have (tiny) coefficients <= 0, which Lemma 3.2 cannot account;
+    # the start is that optimum with its coefficients floored at 1e-6 (C > 0)
+    theta0 = np.log(np.maximum(c[1:], 1e-6))
 
     def to_strategy_t(theta):
         col = np.concatenate([[1.0], np.exp(np.asarray(theta, dtype=float))])
         return Toeplitz(col, n)
-    return strat, theta0, _toeplitz_column(n, k), to_strategy_t
+    return to_strategy_t(theta0), theta0, _toeplitz_column(n, k), to_strategy_t
 
 
 def _estimate_rms(strategy, bins: int, epsilon: float, delta: float, seed: int) -> float:
