@@ -95,6 +95,7 @@ def test_optimize_amplified_improves_on_its_start_and_releases_a_verified_guaran
 
 @pytest.mark.parametrize("kwargs,param", [
     ({"kind": "dense"}, "kind"),
+    ({"n": 8192}, "n"),
     ({"bins": 7}, "bins"),
     ({"epsilon": 0.0}, "epsilon"),
     ({"delta": 1.0}, "delta"),

@@ -49,6 +49,8 @@ KINDS = ("blt", "banded-toeplitz", "toeplitz")
 OPT_SAMPLES = 1 << 14
 OPT_STEPS = 120
 OPT_LR = 0.05
+#: largest n: the objective materializes n x n Toeplitz matrices (and autograd keeps a few).
+MAX_N = 4096
 #: samples of the estimate that chooses between the start point and the optimized C.
 SELECT_SAMPLES = 1 << 18
 
@@ -152,7 +154,7 @@ def _calibrate_t(G, g, epsilon: float, delta: float, guess: float | None, rtol: 
             a, r = delta_hat(torch.tensor(t, dtype=G.dtype), G, g, epsilon)
         return max(float(a), float(r)) - delta
 
-    if guess is None:  # the unamplified noise (sensitivity max ||m_i||) is an upper bound on the noise
+    if guess is None:  # t of the unamplified noise (sensitivity max ||m_i||), a lower bound on t
         from ..accounting.gaussian import gaussian_mu
 
         guess = gaussian_mu(epsilon, delta) / math.sqrt(float(torch.max(torch.diagonal(G))))
@@ -325,7 +327,7 @@ def optimize_amplified(kind: str, n: int, bins: int, epsilon: float, delta: floa
     kind = str(kind).strip().lower()
     if kind not in KINDS:
         raise CorrnoiseError("kind", f"expected one of {', '.join(KINDS)}, got {kind!r}")
-    n = check_int("n", n, minimum=2)
+    n = check_int("n", n, minimum=2, maximum=MAX_N)
     bins = check_int("bins", bins, minimum=1)
     if n % bins:
         raise CorrnoiseError("bins", f"must divide n = {n} (balls-in-bins runs n / bins whole epochs), got {bins}")
