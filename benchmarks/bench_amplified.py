@@ -34,17 +34,11 @@ def _emit(path: str, row: dict) -> None:
 
 def baseline(eps: float) -> dict:
     """The planner's --only bandmf number: the best bandmf + block-cyclic candidate, finalized."""
-    from corrnoise.planner import finalize_candidate, plan
+    from corrnoise.planner import best_final, plan
 
     t0 = time.perf_counter()
     planned = plan(steps=N, epochs=EPOCHS, epsilon=eps, delta=DELTA, only=("bandmf",))
-    pool = [c for c in planned.candidates if c.batching.startswith("block-cyclic") and c.feasible and c.calibrated]
-    while pool:
-        cand = min(pool, key=lambda c: c.rms_error)
-        finalize_candidate(cand, planned.setup)
-        if cand.final:
-            break
-        pool.remove(cand)
+    cand = best_final(planned.candidates, planned.setup, keep=lambda c: c.batching.startswith("block-cyclic"))
     rec = planned.recommended
     return {"method": "bandmf+block-cyclic", "mechanism": cand.mechanism, "batching": cand.batching,
             "rms_error": cand.rms_error, "noise_std": cand.noise_std, "kind": cand.kind,

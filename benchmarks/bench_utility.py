@@ -49,7 +49,7 @@ def plan_epsilon(eps: float, cache_dir: str | None = None):
     guarantees instead of planning and verifying again)."""
     import pickle
 
-    from corrnoise.planner import finalize_candidate, plan
+    from corrnoise.planner import best_final, plan
 
     cache = os.path.join(cache_dir, f"utility_plan_eps{eps:g}.pkl") if cache_dir else None
     if cache and os.path.exists(cache):
@@ -59,14 +59,9 @@ def plan_epsilon(eps: float, cache_dir: str | None = None):
     planned = plan(dataset_size=N_TRAIN, batch_size=BATCH, epochs=EPOCHS, epsilon=eps, delta=DELTA, pipeline="auto")
     best = {}
     for fam in FAMILIES:
-        pool = [c for c in planned.candidates if c.family == fam and c.feasible and c.calibrated]
-        while pool:
-            cand = min(pool, key=lambda c: c.rms_error)
-            finalize_candidate(cand, planned.setup)
-            if cand.final and cand.feasible:
-                best[fam] = cand
-                break
-            pool.remove(cand)
+        cand = best_final(planned.candidates, planned.setup, keep=lambda c, fam=fam: c.family == fam)
+        if cand is not None:
+            best[fam] = cand
     out = (planned, best, time.perf_counter() - t0)
     if cache:
         os.makedirs(cache_dir, exist_ok=True)

@@ -207,3 +207,15 @@ def test_dpcgd_offers_each_beta_plain_and_column_normalized():
     assert result.recommended.rms_error == pytest.approx(best.rms_error)
     for c in result.candidates:  # each name rebuilds its strategy (mechanism files, train --mechanism)
         assert parse_strategy(c.mechanism, 40).label == c.strategy.label
+
+
+def test_best_final_returns_the_best_accepted_candidate_with_its_final_guarantee():
+    from corrnoise.planner import best_final
+
+    planned = plan(dataset_size=2000, batch_size=100, epochs=2, epsilon=4.0, delta=1e-5, only=("dpsgd", "bandmf"),
+                   pipeline="poisson")
+    best = best_final(planned.candidates, planned.setup, keep=lambda c: c.family == "bandmf")
+    assert best is not None and best.family == "bandmf" and best.final and best.kind == "guarantee"
+    finals = [c for c in planned.candidates if c.family == "bandmf" and c.final and c.feasible]
+    assert best.rms_error == min(c.rms_error for c in finals)
+    assert best_final(planned.candidates, planned.setup, keep=lambda c: c.family == "blt") is None

@@ -22,6 +22,7 @@ from .core import (
     PlanResult,
     PlanSetup,
     error_curve,
+    best_final,
     finalize_candidate,
     make_setup,
     plan,
@@ -29,5 +30,5 @@ from .core import (
 
 __all__ = [
     "BANDS", "BETAS", "BUFFERS", "FAMILIES", "PIPELINES", "SCREEN_DISCRETIZATION", "SCREEN_MC_SAMPLES",
-    "Candidate", "PlanResult", "PlanSetup", "error_curve", "finalize_candidate", "make_setup", "plan",
+    "Candidate", "PlanResult", "PlanSetup", "best_final", "error_curve", "finalize_candidate", "make_setup", "plan",
 ]

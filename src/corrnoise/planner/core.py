@@ -320,19 +320,31 @@ def _preferred(pool: list[Candidate]) -> Candidate:
     return best
 
 
-def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: list[str]) -> Candidate:
-    """Re-calibrate the best feasible candidate with the full guarantee until the best one is final."""
+def best_final(candidates: list[Candidate], setup: PlanSetup, keep: Callable[[Candidate], bool] = lambda c: True,
+               choose: Callable[[list[Candidate]], Candidate] | None = None) -> Candidate | None:
+    """The best candidate among those ``keep`` accepts, with its final guarantee: the best screened
+    one (``choose``, default the lowest rms_error) is re-calibrated with the full guarantee until
+    the best is final (finalizing can raise a candidate's rms_error or rule it out). None when no
+    accepted candidate gets a final guarantee. The planner uses it for the recommendation;
+    benchmarks that train the best of every family call it per family."""
+    choose = choose or (lambda pool: min(pool, key=_rank_key))
     for _ in range(MAX_FINALIZE + 1):
-        pool = [c for c in candidates if c.feasible and c.calibrated]
+        pool = [c for c in candidates if keep(c) and c.feasible and c.calibrated]
         if not pool:
-            break
-        best = _preferred(pool)
+            return None
+        best = choose(pool)
         if best.final:
             return best
         finalize_candidate(best, setup)
-    pool = [c for c in candidates if c.feasible and c.calibrated and c.final]
-    if pool:
-        return _preferred(pool)
+    pool = [c for c in candidates if keep(c) and c.feasible and c.calibrated and c.final]
+    return choose(pool) if pool else None
+
+
+def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: list[str]) -> Candidate:
+    """The recommendation (:func:`_preferred`) with its final guarantee, or a one-line error."""
+    best = best_final(candidates, setup, choose=_preferred)
+    if best is not None:
+        return best
     if not any(c.calibrated for c in candidates) or all(
             c.noise_multiplier is None or c.noise_multiplier > MAX_NOISE_MULTIPLIER for c in candidates):
         why = epsilon_errors[0] if epsilon_errors else "no candidate could be calibrated"
