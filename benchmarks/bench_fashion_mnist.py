@@ -24,6 +24,13 @@ import sys
 import time
 
 
+def torch_threads() -> int:
+    """Torch's intra-op threads: results differ in the last bits between thread counts (reduction order)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def run(spec: str) -> dict:
     from corrnoise.training import train
 
@@ -37,7 +44,7 @@ def run(spec: str) -> dict:
                                "epsilon_target", "noise_std", "noise_multiplier", "steps", "test_accuracy",
                                "seconds_planning", "seconds_training")}
     out.update(requested=mechanism, seed=int(seed), seconds=time.perf_counter() - t0,
-               load=os.getloadavg()[0], history=res["history"])
+               load=os.getloadavg()[0], threads=torch_threads(), history=res["history"])
     return out
 
 
@@ -56,7 +63,7 @@ def run_opacus(pipeline: str, eps: float, seed: int) -> dict:
                  only=("dpsgd",), pipeline="poisson").recommended
     out = train_opacus("fashion-mnist", dpsgd.noise_multiplier, seed, 1e-5)
     out.update(pipeline="poisson", epsilon_target=eps, seconds_planning=0.0, requested="opacus", seed=seed, seconds=time.perf_counter() - t0,
-               load=os.getloadavg()[0])
+               load=os.getloadavg()[0], threads=torch_threads())
     return out
 
 
@@ -87,20 +94,25 @@ def plot(path: str, png: str) -> None:
     with open(path) as f:
         runs = [json.loads(line) for line in f]
     groups = sorted({(r["pipeline"], r["epsilon_target"]) for r in runs}, key=lambda g: (g[1], g[0]))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.38
-    for k, req in enumerate(("dpsgd", "auto")):
+    fig, ax = plt.subplots(figsize=(9, 4))
+    series = [req for req in ("dpsgd", "opacus", "auto") if any(r["requested"] == req for r in runs)]
+    labels = {"dpsgd": "DP-SGD (ours)", "opacus": "DP-SGD (Opacus)", "auto": "planner's choice"}
+    width = 0.8 / len(series)
+    lowest = 100.0
+    for k, req in enumerate(series):
         vals, errs = [], []
         for g in groups:
             accs = [100 * r["test_accuracy"] for r in runs if (r["pipeline"], r["epsilon_target"]) == g
                     and r["requested"] == req]
             vals.append(statistics.mean(accs) if accs else float("nan"))
-            errs.append((max(accs) - min(accs)) / 2 if len(accs) > 1 else 0.0)
-        xs = [i + (k - 0.5) * width for i in range(len(groups))]
-        ax.bar(xs, vals, width, yerr=errs, label="DP-SGD" if req == "dpsgd" else "planner's choice")
+            # the bar is the mean over seeds, the whisker spans the range (min to max)
+            errs.append((statistics.mean(accs) - min(accs), max(accs) - statistics.mean(accs)) if accs else (0.0, 0.0))
+            lowest = min([lowest, *accs])
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, vals, width, yerr=list(zip(*errs)), capsize=2, label=labels[req])
     ax.axhline(86.1, color="gray", ls=":", lw=1, label="published DP-SGD, eps 2.93 (86.1%)")
     ax.set_xticks(range(len(groups)), [f"{p}\neps {e:g}" for p, e in groups], fontsize=8)
-    ax.set_ylim(60, 90)
+    ax.set_ylim(10 * int(lowest // 10) - 5, 90)
     ax.set_ylabel("test accuracy %")
     ax.set_title("Fashion-MNIST, delta 1e-5, tanh CNN, batch 2048, 40 epochs")
     ax.legend(fontsize=8, loc="lower right")
