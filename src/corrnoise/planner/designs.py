@@ -75,7 +75,9 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
         def dpsgd():
             from ..strategies import Identity
 
-            bats = ["none"] + (["poisson"] if "poisson" in allowed else [])
+            # C = I is non-negative, so balls-in-bins batching has its Monte Carlo guarantee too
+            # (seed 000 Lemma 3.2); without it a balls-in-bins pipeline got unamplified DP-SGD
+            bats = ["none"] + (["poisson"] if "poisson" in allowed else []) + ([bins] if bins_ok else [])
             return _Design("dpsgd", "dpsgd", Identity(n), 0, 1.0, bats, 0.0)
         tasks.append(("dpsgd", timed(dpsgd)))
     if "bandmf" in families:
