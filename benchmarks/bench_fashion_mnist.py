@@ -67,6 +67,11 @@ def run_opacus(pipeline: str, eps: float, seed: int) -> dict:
     return out
 
 
+def trained_label(r: dict) -> str:
+    """The strategy a run trained with (``mechanism`` labels changed between versions; ``strategy`` did not)."""
+    return "dpsgd" if r.get("strategy") in (None, "identity") else r["strategy"]
+
+
 def table(path: str) -> None:
     rows: dict[tuple, list] = {}
     with open(path) as f:
@@ -74,14 +79,15 @@ def table(path: str) -> None:
             r = json.loads(line)
             rows.setdefault((r["pipeline"], r["epsilon_target"], r["requested"]), []).append(r)
     print("| pipeline | epsilon | requested | trained (batching, accounting) | test accuracy % (mean, range) | "
-          "epsilon reported | seeds | minutes per run |")
+          "epsilon reported | runs (seeds) | minutes per run |")
     print("|---|---:|---|---|---|---:|---:|---:|")
-    for (pipe, eps, req), rs in sorted(rows.items()):
+    order = {"poisson": 0, "cyclic": 1, "balls-in-bins": 2, "dpsgd": 0, "opacus": 1, "auto": 2}
+    for (pipe, eps, req), rs in sorted(rows.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], order[kv[0][2]])):
         accs = [100 * r["test_accuracy"] for r in rs]
-        trained = ", ".join(sorted({f"{r['mechanism']} ({r['batching'].split(':')[0]}, {r['accounting']})" for r in rs}))
+        trained = ", ".join(sorted({f"{trained_label(r)} ({r['batching'].split(':')[0]}, {r['accounting']})" for r in rs}))
         rng = f"{min(accs):.1f}-{max(accs):.1f}" if len(accs) > 1 else "-"
         print(f"| {pipe} | {eps:g} | {req} | {trained} | {statistics.mean(accs):.1f} ({rng}) | "
-              f"{max(r['epsilon'] for r in rs):.4g} | {len(rs)} | {statistics.mean(r['seconds'] for r in rs) / 60:.1f} |")
+              f"{max(r['epsilon'] for r in rs):.4g} | {len(rs)} ({','.join(str(r['seed']) for r in rs)}) | {statistics.mean(r['seconds'] for r in rs) / 60:.1f} |")
 
 
 def plot(path: str, png: str) -> None:
