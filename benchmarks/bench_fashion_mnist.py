@@ -100,7 +100,7 @@ def plot(path: str, png: str) -> None:
     with open(path) as f:
         runs = [json.loads(line) for line in f]
     groups = sorted({(r["pipeline"], r["epsilon_target"]) for r in runs}, key=lambda g: (g[1], g[0]))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     series = [req for req in ("dpsgd", "opacus", "auto") if any(r["requested"] == req for r in runs)]
     labels = {"dpsgd": "DP-SGD (ours)", "opacus": "DP-SGD (Opacus)", "auto": "planner's choice"}
     width = 0.8 / len(series)
@@ -121,7 +121,7 @@ def plot(path: str, png: str) -> None:
     ax.set_ylim(10 * int(lowest // 10) - 5, 90)
     ax.set_ylabel("test accuracy %")
     ax.set_title("Fashion-MNIST, delta 1e-5, tanh CNN, batch 2048, 40 epochs")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
