@@ -75,8 +75,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
         def dpsgd():
             from ..strategies import Identity
 
-            # C = I is non-negative, so balls-in-bins batching has its Monte Carlo guarantee too
-            # (seed 000 Lemma 3.2); without it a balls-in-bins pipeline got unamplified DP-SGD
+            # balls-in-bins too (the accounting gate checks its precondition, as for every family);
+            # without it a balls-in-bins pipeline got only unamplified DP-SGD
             bats = ["none"] + (["poisson"] if "poisson" in allowed else []) + ([bins] if bins_ok else [])
             return _Design("dpsgd", "dpsgd", Identity(n), 0, 1.0, bats, 0.0)
         tasks.append(("dpsgd", timed(dpsgd)))
