@@ -380,3 +380,142 @@ def test_register_layer():
         del LAYER_HANDLERS[Scale]
     with pytest.raises(CorrnoiseError, match="^cls"):
         register_layer(int, handler)
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch.func fallback: recurrent layers, unused outputs, dropout, keyword inputs
+# ----------------------------------------------------------------------------------------------
+def _loop_reference(model, x, y, clip, loss):
+    """Clipped sum by brute force: one example at a time through autograd (no torch.func)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(loss(model(x[i:i + 1]), y[i:i + 1]), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        norm = float(torch.sqrt(sum((g * g).sum() for g in grads)))
+        for t, g in zip(total, grads):
+            t += g * min(1.0, clip / norm)
+    return total
+
+
+def _check_against_loop(model, x, y, clip=0.3):
+    loss = lambda out, t: F.cross_entropy(out, t, reduction="sum")  # noqa: E731
+    ref = _loop_reference(model, x, y, clip, loss)
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=clip)
+    loss(model(x), y).backward()
+    sums, _ = eng.clipped_sum(x.shape[0])
+    eng.detach()
+    for s, r in zip(sums, ref):
+        _close(s, r)
+
+
+class _RecurrentHead(nn.Module):
+    """An RNN (batch_first) whose last hidden state h_n ((layers, B, H): batch on dim 1) and first
+    output both reach the loss."""
+
+    def __init__(self, cls, layers):
+        super().__init__()
+        self.rnn = cls(3, 5, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        out, h = self.rnn(x)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(h[-1] + out[:, 0])
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_recurrent_layers_fall_back_exactly(cls, layers):
+    _check_against_loop(_RecurrentHead(cls, layers), torch.randn(5, 4, 3), torch.randint(0, 2, (5,)))
+
+
+class _Cells(nn.Module):
+    """An LSTMCell unrolled by hand (called 3 times; its h is computed from its c) and a GRUCell."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(3, 5)
+        self.gru = nn.GRUCell(5, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = c = torch.zeros(x.shape[0], 5)
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return self.head(self.gru(h))
+
+
+def test_cells_called_repeatedly_with_dependent_outputs_are_exact():
+    _check_against_loop(_Cells(), torch.randn(5, 3, 3), torch.randint(0, 2, (5,)))
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, _weights = self.att(x, x, x)  # need_weights=True: an output the loss does not use
+        return self.head(out.mean(1))
+
+
+def test_attention_with_unused_weights_output_is_exact():
+    _check_against_loop(_Attention(), torch.randn(5, 3, 4), torch.randint(0, 2, (5,)))
+
+
+def test_dropout_inside_a_fallback_layer_is_refused_naming_it():
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, batch_first=True)  # dropout 0.1 in attention
+    model = nn.Sequential(layer)
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    model(torch.randn(3, 2, 4)).sum().backward()
+    with pytest.raises(CorrnoiseError) as e:
+        eng.clipped_sum(3)
+    assert "'0.self_attn'" in str(e.value) and "dropout" in str(e.value) and "\n" not in str(e.value)
+    eng.detach()
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_recurrent_layer_without_batch_first_is_refused(cls):
+    with pytest.raises(CorrnoiseError) as e:
+        ClippingEngine(nn.Sequential(cls(3, 4)))
+    assert "batch_first=True" in str(e.value)
+
+
+class _KeywordCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.norm = nn.LayerNorm(4)
+        self.conv = nn.Conv1d(4, 3, 2)
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, idx):
+        h = self.norm(input=self.emb(input=idx))
+        h = self.conv(input=h.transpose(1, 2)).mean(2)
+        return self.lin(input=h)
+
+
+def test_layers_called_with_keyword_inputs():
+    _check_against_loop(_KeywordCalls(), torch.randint(0, 7, (5, 4)), torch.randint(0, 2, (5,)))
+
+
+def test_engine_restricted_to_the_given_parameters_clips_only_them():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    head = list(model[2].parameters())
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=0.2, parameters=head)
+    assert eng.names == ["2.weight", "2.bias"]
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    sums, norms = eng.clipped_sum(6)
+    eng.detach()
+    ref = [torch.zeros_like(p) for p in head]
+    for i in range(6):
+        g = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum"), head)
+        norm = float(torch.sqrt(sum((t * t).sum() for t in g)))
+        assert math.isclose(float(norms[i]), norm, rel_tol=1e-9)
+        for r, t in zip(ref, g):
+            r += t * min(1.0, 0.2 / norm)
+    for s, r in zip(sums, ref):
+        _close(s, r)

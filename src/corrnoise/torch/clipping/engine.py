@@ -52,11 +52,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, check_int, check_real
 from .formulas import OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, use_ghost
-from .layers import fallback_handler, handler_for
+from .layers import call_batch_size, fallback_handler, handler_for
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -90,8 +90,8 @@ def _refusal(path: str, m: nn.Module) -> str | None:
         return f"'{name}' ({type(m).__name__}) mixes examples (batch statistics); replace it with GroupNorm or LayerNorm"
     if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
         return f"'{name}' (Embedding with scale_grad_by_freq=True) mixes examples; set scale_grad_by_freq=False"
-    if isinstance(m, nn.MultiheadAttention) and not m.batch_first:
-        return f"'{name}' (MultiheadAttention) needs batch_first=True (per-example gradients map over dim 0)"
+    if isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and not m.batch_first:
+        return f"'{name}' ({type(m).__name__}) needs batch_first=True (per-example gradients map over dim 0)"
     return None
 
 
@@ -102,10 +102,12 @@ class ClippingEngine:
     grad outputs are multiplied back by ``batch_size``) or "sum". ``max_grad_norm``: the clip
     norm C > 0. ``engine.parameters`` / ``engine.names``: the trainable parameters (deduplicated,
     in ``named_parameters`` order) that ``clipped_sum`` returns sums for. Frozen parameters
-    (``requires_grad=False`` at attach) are ignored.
+    (``requires_grad=False`` at attach) are ignored, and so are those outside ``parameters``
+    when it is given (the per-example norm covers only what is optimized, as in Opacus).
     """
 
-    def __init__(self, module: nn.Module, loss_reduction: str = "mean", max_grad_norm: float = 1.0, *, verify: bool = False):
+    def __init__(self, module: nn.Module, loss_reduction: str = "mean", max_grad_norm: float = 1.0, *,
+                 verify: bool = False, parameters=None):
         if not isinstance(module, nn.Module):
             raise CorrnoiseError("module", f"must be a torch.nn.Module, got {type(module).__name__}")
         if loss_reduction not in ("mean", "sum"):
@@ -116,8 +118,12 @@ class ClippingEngine:
         self.verify = bool(verify)
         self._verified = False
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if parameters is not None:  # only these (the optimizer's): the others are neither clipped nor noised
+            chosen = {id(p) for p in parameters}
+            named = [(n, p) for n, p in named if id(p) in chosen]
         if not named:
-            raise CorrnoiseError("module", "has no trainable parameters")
+            raise CorrnoiseError("module", "has no trainable parameters" if parameters is None else
+                                 "has no trainable parameter among the optimizer's")
         self.names = [n for n, _ in named]
         self.parameters = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self.parameters)}
@@ -133,11 +139,11 @@ class ClippingEngine:
                 continue
             if isinstance(m, OPAQUE_TYPES):
                 opaque_prefixes.append(path)
-                own = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+                own = [(n, p) for n, p in m.named_parameters() if id(p) in self._index]
                 names = [n for n, _ in own]
                 handler = lambda mod, a, k, g, dt, _n=names: fallback_handler(mod, a, k, g, dt, names=_n)  # noqa: E731
             else:
-                own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+                own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in self._index]
                 handler = handler_for(m)
             if own:
                 self._owners[m] = (handler, [(n, self._index[id(p)]) for n, p in own])
@@ -169,9 +175,18 @@ class ClippingEngine:
             # a hook on a view is lost if the view is later modified in place (ReLU(inplace=True)
             # after a Linear on (B, T, d)); a copy is not a view
             output = replaced = output.clone()
-        outs = [o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        flat, spec = tree_flatten(output)
+        outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if not any(o.requires_grad for o in outs):
             return None
+        if len(outs) > 1:
+            # one output may be computed from another inside the layer (an LSTM cell's h from its
+            # c): a hook on the returned tensor would see that internal use too, and the vjp would
+            # count it twice. Hooks on copies see only the uses outside the layer.
+            flat = [o.clone() if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad else o
+                    for o in flat]
+            output = replaced = tree_unflatten(flat, spec)
+            outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if self._backward_seen:
             raise CorrnoiseError(
                 "engine", "forward pass after a backward pass without clipped_sum()/clear() (one batch per clipped sum)")
@@ -227,15 +242,16 @@ class ClippingEngine:
                         if t._version != v:
                             raise CorrnoiseError(
                                 "module", f"input of '{self._paths[m]}' was modified in place after its forward")
-                    ref = next(g for g in call.grads if g is not None)
-                    grads = [g if g is not None else torch.zeros_like(ref) for g in call.grads]
-                    nb = grads[0].shape[0]
+                    nb = call_batch_size(m, call.args, call.kwargs)
                     if b is None:
                         b = nb
                     elif nb != b:
                         raise CorrnoiseError(
                             "module", f"'{self._paths[m]}' has batch dimension {nb}, others {b} (inputs must be batch-first)")
-                    out = handler(m, call.args, call.kwargs, grads, acc)
+                    try:
+                        out = handler(m, call.args, call.kwargs, call.grads, acc)
+                    except CorrnoiseError as exc:
+                        raise CorrnoiseError(exc.param, f"'{self._paths[m]}': {exc.message}") from None
                     for name, i in owned:
                         for c in out.get(name, []):
                             (factors if isinstance(c, tuple) else dense)[i].append(c)

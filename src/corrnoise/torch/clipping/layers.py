@@ -19,6 +19,7 @@ duck-typed transformers ``Conv1D`` rule (class named ``Conv1D`` with a 2-D ``wei
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -30,7 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ...errors import CorrnoiseError
 from .formulas import OneHot
 
-__all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv"]
+__all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv",
+           "call_batch_size"]
 
 Handler = Callable[..., dict]
 LAYER_HANDLERS: dict[type, Handler] = {}
@@ -65,6 +67,25 @@ def _batched(x: torch.Tensor, module: nn.Module) -> None:
         raise CorrnoiseError("module", f"{type(module).__name__} input of shape {tuple(x.shape)} has no batch dimension")
 
 
+def _input(args, kwargs, module: nn.Module) -> torch.Tensor:
+    """The layer's input: the first positional argument, or the keyword ``input`` (torch's layers)
+    / ``x`` (transformers' ``Conv1D``)."""
+    if args:
+        return args[0]
+    for key in ("input", "x"):
+        if key in kwargs:
+            return kwargs[key]
+    raise CorrnoiseError("module", f"{type(module).__name__} was called without its input tensor")
+
+
+def call_batch_size(module: nn.Module, args, kwargs) -> int:
+    """The batch size of one call: dim 0 of its first tensor input (inputs are batch-first)."""
+    for v in tree_flatten((args, kwargs))[0]:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    raise CorrnoiseError("module", f"{type(module).__name__} was called without a batched tensor input")
+
+
 def _rows(x: torch.Tensor, dtype) -> torch.Tensor:
     """(B, *, d) -> (B, 1, T, d) with T = prod(*), upcast to the accumulation dtype."""
     return x.reshape(x.shape[0], 1, -1, x.shape[-1]).to(dtype)
@@ -72,7 +93,7 @@ def _rows(x: torch.Tensor, dtype) -> torch.Tensor:
 
 def linear_handler(module, args, kwargs, grad_outs, dtype):
     """nn.Linear on (B, *, d_in): weight (d_out, d_in) gets sum_t g_t a_t^T; bias sum_t g_t."""
-    x, g = args[0], grad_outs[0]
+    x, g = _input(args, kwargs, module), grad_outs[0]
     _batched(x, module)
     a, gg = _rows(x, dtype), _rows(g, dtype)
     out = {"weight": [(gg, a)]}
@@ -83,7 +104,7 @@ def linear_handler(module, args, kwargs, grad_outs, dtype):
 
 def conv1d_like_handler(module, args, kwargs, grad_outs, dtype):
     """transformers Conv1D, y = x @ W + b with W (d_in, d_out): W gets sum_t a_t g_t^T."""
-    x, g = args[0], grad_outs[0]
+    x, g = _input(args, kwargs, module), grad_outs[0]
     _batched(x, module)
     a, gg = _rows(x, dtype), _rows(g, dtype)
     out = {"weight": [(a, gg)]}
@@ -122,7 +143,7 @@ def unfold_conv(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Tenso
 
 def conv_handler(module, args, kwargs, grad_outs, dtype):
     """Conv1d/2d/3d as a Linear on unfolded patches, one block per group."""
-    x, g = args[0], grad_outs[0]
+    x, g = _input(args, kwargs, module), grad_outs[0]
     n = len(module.kernel_size)
     if x.dim() != n + 2:
         raise CorrnoiseError("module", f"{type(module).__name__} input of shape {tuple(x.shape)} has no batch dimension")
@@ -137,7 +158,7 @@ def conv_handler(module, args, kwargs, grad_outs, dtype):
 
 def embedding_handler(module, args, kwargs, grad_outs, dtype):
     """nn.Embedding: the table (V, d) gets sum_t onehot(x_t) g_t^T (row padding_idx: nothing)."""
-    x, g = args[0], grad_outs[0]
+    x, g = _input(args, kwargs, module), grad_outs[0]
     _batched(x, module)
     b = x.shape[0]
     idx = x.reshape(b, 1, -1).long()
@@ -161,7 +182,7 @@ def _affine_grads(module, g, x_hat, channel_dims: tuple[int, ...]):
 
 def layernorm_handler(module, args, kwargs, grad_outs, dtype):
     """nn.LayerNorm: x_hat = (x - mean) / sqrt(var + eps) over normalized_shape (biased var)."""
-    x, g = args[0].to(dtype), grad_outs[0].to(dtype)
+    x, g = _input(args, kwargs, module).to(dtype), grad_outs[0].to(dtype)
     _batched(x, module)
     k = len(module.normalized_shape)
     dims = tuple(range(x.dim() - k, x.dim()))
@@ -173,7 +194,7 @@ def layernorm_handler(module, args, kwargs, grad_outs, dtype):
 
 def rmsnorm_handler(module, args, kwargs, grad_outs, dtype):
     """nn.RMSNorm: x_hat = x / sqrt(mean(x^2) + eps), eps defaulting to finfo(input dtype).eps."""
-    x_in = args[0]
+    x_in = _input(args, kwargs, module)
     _batched(x_in, module)
     x, g = x_in.to(dtype), grad_outs[0].to(dtype)
     eps = module.eps if module.eps is not None else torch.finfo(x_in.dtype).eps
@@ -185,7 +206,7 @@ def rmsnorm_handler(module, args, kwargs, grad_outs, dtype):
 
 def groupnorm_handler(module, args, kwargs, grad_outs, dtype):
     """nn.GroupNorm on (B, C, *): x_hat normalized per (example, group); affine per channel."""
-    x, g = args[0].to(dtype), grad_outs[0].to(dtype)
+    x, g = _input(args, kwargs, module).to(dtype), grad_outs[0].to(dtype)
     _batched(x, module)
     b, c = x.shape[:2]
     xg = x.reshape(b, module.num_groups, -1)
@@ -195,38 +216,86 @@ def groupnorm_handler(module, args, kwargs, grad_outs, dtype):
     return _affine_grads(module, g, x_hat, (1,))
 
 
+@contextlib.contextmanager
+def _plain_rnn_kernels(module: nn.Module):
+    """The re-run of an RNN layer without the oneDNN / cuDNN fused kernels, whose backward
+    needs a workspace that torch.func's vjp does not keep (same mathematics, torch's own kernels)."""
+    if not isinstance(module, nn.RNNBase):
+        yield
+        return
+    with torch.backends.mkldnn.flags(enabled=False), torch.backends.cudnn.flags(enabled=False):
+        yield
+
+
 def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
-    """Any other layer: per-example vjp of the layer alone with torch.func (vmap over examples).
+    """Any other layer: per-example vjp of the layer alone with torch.func.
 
     Re-runs the layer's forward on each example's captured input (with a batch dimension of 1)
     as a function of its own parameters and pulls back that example's grad output; only this
     layer's per-example gradients are materialized. Tensor arguments whose first dimension is
-    the batch size are mapped over, others are shared. The layer must be deterministic.
+    the batch size are mapped over, others are shared; an output may carry the batch on any one
+    dimension (found against one example's output). ``grad_outs[k]`` is None for an output the
+    loss did not use (zero cotangent).
+    vmap maps over the examples; an operation vmap has no rule for (the fused RNN cells, for
+    one) falls back to a loop over the examples (same gradients, B vjps). The layer must be
+    deterministic: one that draws random numbers (dropout inside it) is refused, since the
+    re-run would draw another mask than the forward did.
     """
     if names is None:
         names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     params = {n: module.get_parameter(n).detach().to(dtype) for n in names}
-    b = grad_outs[0].shape[0]
+    b = call_batch_size(module, args, kwargs)
+    used = [g is not None for g in grad_outs]
     leaves, spec = tree_flatten((args, kwargs))
     mapped = [isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b for v in leaves]
     batched = [v.to(dtype) if m and v.is_floating_point() else v for v, m in zip(leaves, mapped)]
     bleaves = [v for v, m in zip(batched, mapped) if m]
-    cot = [g.to(dtype) for g in grad_outs]
 
-    def one(p, bl, gs):
+    def outputs(p, bl):
         it = iter(bl)
         full = [next(it).unsqueeze(0) if m else v for v, m in zip(batched, mapped)]
         a, kw = tree_unflatten(full, spec)
+        out = functional_call(module, p, tuple(a), dict(kw), strict=False)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        if len(outs) != len(used):
+            raise CorrnoiseError("module", f"{type(module).__name__} returned {len(outs)} tensors on one example but "
+                                 f"{len(used)} on the batch")
+        return tuple(o.to(dtype) for o in outs)
 
-        def f(pp):
-            out = functional_call(module, pp, tuple(a), dict(kw), strict=False)
-            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
-            return tuple(o.to(dtype) for o in outs)
+    # where each used output carries the batch: compare with one example's output (h_n of an
+    # RNN is (layers, B, hidden) even with batch_first=True)
+    with torch.no_grad():
+        probe = outputs(params, [v[0] for v in bleaves])
+    dims = []
+    for g, o in zip(grad_outs, probe):
+        if g is None:
+            continue
+        cand = [d for d in range(g.dim()) if g.dim() == o.dim() and g.shape[d] == b and o.shape[d] == 1
+                and all(g.shape[e] == o.shape[e] for e in range(g.dim()) if e != d)]
+        if b > 1 and len(cand) != 1:
+            raise CorrnoiseError("module", f"{type(module).__name__} returns an output of shape {tuple(g.shape)} "
+                                 "whose batch dimension cannot be found; register a rule with register_layer")
+        dims.append(cand[0] if cand else 0)
+    cot = [g.to(dtype) for g in grad_outs if g is not None]
 
-        _, pull = vjp(f, p)
-        return pull(tuple(gi.unsqueeze(0) for gi in gs))[0]
+    def one(p, bl, gs):
+        outs, pull = vjp(lambda pp: outputs(pp, bl), p)
+        it_g, it_d = iter(gs), iter(dims)
+        cots = tuple(next(it_g).unsqueeze(next(it_d)) if u else torch.zeros_like(o) for o, u in zip(outs, used))
+        return pull(cots)[0]
 
-    grads = vmap(one, in_dims=(None, 0, 0), randomness="error")(params, bleaves, cot)
+    with _plain_rnn_kernels(module):
+        try:
+            grads = vmap(one, in_dims=(None, 0, list(dims)), randomness="error")(params, bleaves, cot)
+        except RuntimeError as exc:
+            if "randomness" in str(exc):
+                raise CorrnoiseError(
+                    "module", f"{type(module).__name__} draws random numbers in its forward (dropout inside it?), "
+                    "which per-example clipping cannot replay; set that dropout to 0 (dropout outside the layer is "
+                    "fine)") from None
+            # no batching rule for some operation (the fused RNN kernels): one example at a time
+            per = [one(params, [v[i] for v in bleaves], [g.select(d, i) for g, d in zip(cot, dims)]) for i in range(b)]
+            grads = {n: torch.stack([r[n] for r in per]) for n in names}
     return {n: [grads[n]] for n in names}
 
 
