@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -423,3 +424,90 @@ def test_step_without_a_captured_backward_is_refused():
     opt.zero_grad()
     with pytest.raises(CorrnoiseError, match="^optimizer: step\\(\\) found no backward pass"):
         opt.step()
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming a Monte Carlo calibration; what is trainable; argument checks; the Opacus default
+# ----------------------------------------------------------------------------------------------
+def _bib_run(epsilon=6.0, delta=1e-3):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    return make_private(model, opt, DataLoader(_data(40), batch_size=8), mechanism="dpcgd:0.7",
+                        batching="balls-in-bins", epsilon=epsilon, delta=delta, epochs=2, max_grad_norm=1.0,
+                        seed=3, noise_seed=7)
+
+
+def test_balls_in_bins_run_resumes_with_the_checkpoints_verified_noise():
+    model, opt, loader = _bib_run()
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        break
+    state = opt.state_dict()
+    m2, o2, _ = _bib_run()  # a fresh Monte Carlo calibration: another verified noise_std
+    assert o2.noise_std != opt.noise_std
+    o2.load_state_dict(state)
+    assert o2.noise_std == opt.noise_std and o2.steps_taken == 1
+    assert o2.calibration == opt.calibration and o2.privacy_spent(steps=10).kind == "guarantee"
+    _, o3, _ = _bib_run(epsilon=5.0)  # a smaller target than the checkpoint's guarantee: refused
+    with pytest.raises(CorrnoiseError, match="exceeds this run's") as e:
+        o3.load_state_dict(state)
+    assert o3.steps_taken == 0 and o3.noise_std != opt.noise_std  # nothing adopted
+
+
+def test_freezing_or_unfreezing_after_make_private_is_refused_at_step():
+    for change in ("freeze", "unfreeze"):
+        model = _mlp()
+        if change == "unfreeze":
+            model[0].requires_grad_(False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        model, opt, loader = make_private(model, opt, DataLoader(_data(), batch_size=16), mechanism="identity",
+                                          noise_multiplier=1.0, delta=1e-5, epochs=1, max_grad_norm=1.0)
+        model[0].requires_grad_(change == "unfreeze")
+        x, y = next(iter(loader))
+        nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(CorrnoiseError, match="frozen after" if change == "freeze" else "unfrozen after"):
+            opt.step()
+
+
+def test_clipping_covers_only_the_optimizers_parameters():
+    model = _mlp()
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.3)  # fine-tune the head; the body stays trainable
+    model, opt, loader = make_private(model, opt, DataLoader(_data(), batch_size=16), mechanism="identity",
+                                      noise_multiplier=1.0, delta=1e-5, epochs=1, max_grad_norm=1.0)
+    assert opt.engine.names == ["2.weight", "2.bias"]
+    body = model[0].weight.detach().clone()
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model[0].weight, body)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"epochs": 1, "steps": 4}, "steps"),
+    ({"epochs": "3"}, "epochs"),
+    ({"steps": 0, "epochs": None}, "steps"),
+    ({"mechanism": "bogus"}, "mechanism"),
+    ({"mechanism": "blt:2"}, "mechanism"),
+])
+def test_make_private_errors_name_the_argument_given(kwargs, param):
+    model = _mlp()
+    args = dict(mechanism="identity", noise_multiplier=1.0, delta=1e-5, epochs=1, max_grad_norm=1.0)
+    args.update(kwargs)
+    with pytest.raises(CorrnoiseError) as e:
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(), batch_size=16), **args)
+    assert e.value.param == param and "\n" not in str(e.value)
+
+
+def test_opacus_make_private_with_a_noise_multiplier_is_dp_sgd():
+    from corrnoise.torch.opacus_adapter import PrivacyEngine
+
+    model = _mlp()
+    _, opt, _ = PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(_data(), batch_size=16), noise_multiplier=1.1,
+                                             max_grad_norm=1.0, epochs=1)
+    assert opt.strategy.label == "identity" and opt.batching.spec.startswith("poisson")
+    assert math.isclose(opt.noise_multiplier, 1.1)

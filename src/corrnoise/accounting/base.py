@@ -95,6 +95,18 @@ class PrivacyResult:
                 out[key] = value
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PrivacyResult":
+        """The inverse of :meth:`to_dict` (keys other than the core fields become extras)."""
+        core = ("epsilon", "delta", "noise_std", "noise_multiplier", "method", "kind")
+        try:
+            values = {k: data[k] for k in core}
+        except (KeyError, TypeError):
+            raise CorrnoiseError("result", f"needs the fields {', '.join(core)}") from None
+        extras = {k: v for k, v in data.items() if k not in core}
+        return cls(float(values["epsilon"]), float(values["delta"]), float(values["noise_std"]),
+                   float(values["noise_multiplier"]), str(values["method"]), extras, str(values["kind"]))
+
     def with_extras(self, **extras: Any) -> "PrivacyResult":
         """A copy with more extras (later keys win)."""
         return PrivacyResult(self.epsilon, self.delta, self.noise_std, self.noise_multiplier, self.method,

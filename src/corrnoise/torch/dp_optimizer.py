@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,10 +44,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original = optimizer
         self.engine = engine
         self.params = list(engine.parameters)
-        ids = {id(p) for p in self.params}
+        self._ids = {id(p) for p in self.params}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad and id(p) not in ids:
+                if p.requires_grad and id(p) not in self._ids:
                     raise CorrnoiseError("optimizer", "optimizes a tensor that is not a trainable parameter of the "
                                          "module; its gradient would not be privatized")
         self.privatizer = privatizer
@@ -109,7 +110,22 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original.zero_grad(set_to_none=set_to_none)
         self.engine.clear()
 
+    def _check_trainable(self) -> None:
+        """The parameters trainable now are the ones make_private privatizes: one frozen since would
+        still be updated (with noise), one unfrozen since would be updated with its raw gradient."""
+        for p, name in zip(self.params, self.engine.names):
+            if not p.requires_grad:
+                raise CorrnoiseError("module", f"parameter '{name}' was frozen after make_private; freeze parameters "
+                                     "before make_private (clipping and noise cover the ones trainable then)")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self._ids:
+                    raise CorrnoiseError("optimizer", "a parameter was unfrozen after make_private: its raw gradient "
+                                         "would reach the update unclipped and without noise; unfreeze it before "
+                                         "make_private")
+
     def _check_step(self) -> None:
+        self._check_trainable()
         current = self.context.current_step
         if current is not None and current != self.steps_taken:
             raise CorrnoiseError(
@@ -205,11 +221,48 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self.store_noise_seed:
             noise = {**noise, "generator": {k: v for k, v in noise["generator"].items() if k != "seed"}}
         return {"corrnoise": 1, "original": self.original.state_dict(), "noise": noise,
-                "steps_taken": self.steps_taken, "sampler": self._sampler_state()}
+                "steps_taken": self.steps_taken, "sampler": self._sampler_state(),
+                "calibration": None if self.calibration is None else self.calibration.to_dict()}
+
+    def _resumed_calibration(self, saved: dict[str, Any] | None, saved_noise_std) -> PrivacyResult | None:
+        """The checkpoint's calibration when this run must adopt it, else None.
+
+        A Monte Carlo calibration (balls-in-bins) draws fresh samples, so the same ``epsilon=``
+        gives a slightly other verified noise_std in the resumed process; the run must go on with
+        the noise its first steps used. That noise is adopted only if its guarantee is one of
+        *this* run: kind guarantee, same mechanism, steps, batching and method, delta and epsilon
+        no larger than this run's calibration. Any other mismatch is refused."""
+        if saved_noise_std is None or math.isclose(float(saved_noise_std), self.noise_std, rel_tol=1e-12, abs_tol=0.0):
+            return None
+        mine = self.calibration
+        why = "this run's noise was given (noise_std, noise_multiplier or guarantee), not calibrated" if mine is None \
+            or mine.method != "mc" else None
+        result = None
+        if why is None:
+            if not isinstance(saved, dict):
+                why = "the checkpoint stores no calibration"
+            else:
+                result = PrivacyResult.from_dict(saved)
+                why = _same_run(result, mine)
+                if why is not None:
+                    why = f"the checkpoint's calibration is for {why}"
+                elif result.kind != "guarantee":
+                    why = f"the checkpoint's calibration is of kind {result.kind!r}"
+                elif not math.isclose(result.noise_std, float(saved_noise_std), rel_tol=1e-12, abs_tol=0.0):
+                    why = "the checkpoint's calibration is for another noise_std than its noise stream"
+                elif result.delta > self.delta or result.epsilon > mine.epsilon:
+                    why = (f"the checkpoint's guarantee ({result.epsilon:g}, {result.delta:g}) exceeds this run's "
+                           f"({mine.epsilon:g}, {self.delta:g})")
+        if why is not None:
+            raise CorrnoiseError("state", f"noise_std {float(saved_noise_std)!r} of the checkpoint differs from this "
+                                 f"run's {self.noise_std!r}: {why}")
+        return result
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: same sampler (seed and description), same noise seed
-        (stored in the checkpoint, or passed again to make_private as ``noise_seed``)."""
+        (stored in the checkpoint, or passed again to make_private as ``noise_seed``). A run
+        calibrated by Monte Carlo (balls-in-bins) resumes with the checkpoint's verified
+        noise_std and guarantee (:meth:`_resumed_calibration`)."""
         if not isinstance(state, dict) or state.get("corrnoise") != 1:
             raise CorrnoiseError("state", "not a checkpoint of a corrnoise DPOptimizer")
         mine, saved = self._sampler_state(), state.get("sampler")
@@ -230,11 +283,31 @@ class DPOptimizer(torch.optim.Optimizer):
                                  "make_private (a fresh seed would restart the noise stream mid-run)")
         noise["generator"] = generator
         steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
-        self.original.load_state_dict(state["original"])
-        self.privatizer.load_state_dict(noise)
+        calibration = self._resumed_calibration(state.get("calibration"), generator.get("noise_std"))
+        previous = self.privatizer.noise_std
+        if calibration is not None:
+            self.privatizer.adopt_noise_std(calibration.noise_std)
+        try:
+            self.privatizer.load_state_dict(noise)
+            self.original.load_state_dict(state["original"])
+        except Exception:
+            self.privatizer.adopt_noise_std(previous)
+            raise
+        if calibration is not None:
+            self.calibration = calibration
         self.steps_taken = steps_taken
         self.context.next_step = steps_taken
         self.context.current_step = None
+
+
+def _same_run(result: PrivacyResult, reference: PrivacyResult) -> str | None:
+    """The first of mechanism, steps, batching, method in which two calibrations differ (None: same run)."""
+    for key in ("mechanism", "n", "batching"):
+        if result.extras.get(key) != reference.extras.get(key):
+            return f"{key} {result.extras.get(key)!r} (this run: {reference.extras.get(key)!r})"
+    if result.method != reference.method:
+        return f"accounting method {result.method!r} (this run: {reference.method!r})"
+    return None
 
 
 def _matching_guarantee(guarantee: PrivacyResult, agreement, delta: float) -> PrivacyResult:

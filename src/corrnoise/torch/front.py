@@ -93,7 +93,7 @@ def make_private(
     ||C||_col), ``noise_std``, and ``guarantee`` (a PrivacyResult of kind "guarantee" already
     calibrated for this mechanism, batching and number of steps, e.g. the planner's
     recommendation: its noise is used and ``privacy_spent()`` of the finished run returns it).
-    Exactly one of ``epochs`` and ``steps``. ``batching``: one of
+    Exactly one of ``epochs`` and ``steps`` (a ready sampler may stand for both). ``batching``: one of
     ``auto, poisson, block-cyclic, balls-in-bins, cyclic`` (``auto``: Poisson for DP-SGD,
     block-cyclic Poisson for banded C, balls-in-bins for other non-negative C, cyclic otherwise),
     or a ready :mod:`corrnoise.sampling` sampler built for the loader's dataset (its steps, rate
@@ -131,6 +131,14 @@ def make_private(
     if not isinstance(module, torch.nn.Module):
         raise CorrnoiseError("module", f"must be a torch.nn.Module, got {type(module).__name__}")
     max_grad_norm = check_real("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+    if epochs is not None and steps is not None:
+        raise CorrnoiseError("steps", "give exactly one of epochs and steps (the run's length)")
+    if epochs is not None:
+        if isinstance(epochs, (str, bool)):
+            raise CorrnoiseError("epochs", f"must be a number, got {epochs!r}")
+        epochs = check_real("epochs", epochs, low=0.0, low_open=True)
+    if steps is not None:
+        steps = check_int("steps", steps, minimum=1)
     if not isinstance(batching, BatchSampler) and batching not in BATCHINGS:
         raise CorrnoiseError("batching", f"must be one of {', '.join(BATCHINGS)} or a corrnoise.sampling sampler, "
                              f"got {batching!r}")
@@ -178,7 +186,13 @@ def make_private(
         nu, calibration = shared
     if guarantee is not None:
         calibration = _matching_guarantee(guarantee, agreement, delta)
-    engine = ClippingEngine(inner, loss_reduction=loss_reduction, max_grad_norm=max_grad_norm)
+    optimized = None  # clip and noise only what the optimizer updates (as Opacus does)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        chosen = [p for group in optimizer.param_groups for p in group["params"]]
+        owned = {id(p) for p in inner.parameters()}
+        if all(id(p) in owned for p in chosen if p.requires_grad):
+            optimized = chosen  # else DPOptimizer refuses the foreign tensor, naming the optimizer
+    engine = ClippingEngine(inner, loss_reduction=loss_reduction, max_grad_norm=max_grad_norm, parameters=optimized)
     params = list(engine.parameters)
     if on:
         if inner is module:

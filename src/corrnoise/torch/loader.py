@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from ..errors import CorrnoiseError, check_int, check_real
 from ..sampling import BallsInBinsSampler, BatchSampler
 from ..strategies import Strategy
-from .optimizer import choose_batching
+from .optimizer import _parse_mechanism, choose_batching
 
 __all__ = ["DPDataLoader", "BATCHINGS", "choose_batching"]
 
@@ -215,13 +215,11 @@ def _sampling_for(batching: str, mechanism, num_examples: int, batch_size: int, 
     """The sampler name of :func:`corrnoise.torch.optimizer.make_sampler` for ``batching``."""
     if batching != "auto":
         return batching
-    from ..strategies import parse_strategy
-
     if isinstance(mechanism, Strategy):
         probe = mechanism
     else:
         n = steps if steps is not None else max(1, int(round(
             check_real("epochs", epochs if epochs is not None else math.nan, low=0.0, low_open=True)
             * num_examples / batch_size)))
-        probe = parse_strategy(mechanism, n)
+        probe = _parse_mechanism(mechanism, n)
     return choose_batching(probe, num_examples, batch_size)

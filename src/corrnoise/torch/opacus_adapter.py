@@ -83,7 +83,7 @@ class PrivacyEngine:
         data_loader: torch.utils.data.DataLoader,
         noise_multiplier: float,
         max_grad_norm: float,
-        mechanism: Any = "auto",
+        mechanism: Any = "identity",
         epochs: float | None = None,
         steps: int | None = None,
         delta: float = DEFAULT_DELTA,
@@ -95,6 +95,9 @@ class PrivacyEngine:
         **kwargs: Any,
     ) -> tuple[torch.nn.Module, DPOptimizer, DPDataLoader]:
         """``(module, optimizer, data_loader)`` with noise sigma = ``noise_multiplier`` (nu / ||C||_col).
+
+        ``mechanism``: DP-SGD (``identity``) unless given, as in Opacus (a noise multiplier fixes
+        the noise, so there is no target for the planner to choose a mechanism for).
 
         ``epochs`` or ``steps``: the run's length (required: the mechanism is built for it).
         ``delta``: the delta of ``optimizer.privacy_spent()``. Further keywords (``batching``,

@@ -265,6 +265,17 @@ def make_sampler(
     return BallsInBinsSampler(n_ex, min(bins, steps), steps, batch_size=b, seed=seed)
 
 
+def _parse_mechanism(mechanism: str, steps: int) -> Strategy:
+    """The Strategy a mechanism name or file stands for, for ``steps`` steps; a bad name is
+    reported against ``mechanism`` (what the user passed), with the parser's reason."""
+    try:
+        return parse_strategy(mechanism, steps)
+    except CorrnoiseError as exc:
+        if exc.param == "mechanism":
+            raise
+        raise CorrnoiseError("mechanism", f"{mechanism!r}: {exc}") from None
+
+
 def plan_private(
     dataset=None,
     *,
@@ -301,7 +312,7 @@ def plan_private(
         if steps is not None and steps > sampler.steps:
             raise CorrnoiseError("steps", f"{steps} steps but the sampler yields only {sampler.steps} batches")
         run_steps = sampler.steps if steps is None else check_int("steps", steps, minimum=1)
-        strategy = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, run_steps)
+        strategy = mechanism if isinstance(mechanism, Strategy) else _parse_mechanism(mechanism, run_steps)
     else:
         if num_examples is None:
             raise CorrnoiseError("dataset", "give the training dataset (or a ready sampler)")
@@ -313,13 +324,13 @@ def plan_private(
         probe_steps = steps if steps is not None else max(1, int(round(
             check_real("epochs", epochs if epochs is not None else math.nan, low=0.0, low_open=True)
             * num_examples / batch_size)))
-        probe = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, probe_steps)
+        probe = mechanism if isinstance(mechanism, Strategy) else _parse_mechanism(mechanism, probe_steps)
         if sampler == "auto":
             sampler = choose_batching(probe, num_examples, batch_size)
         sampler = make_sampler(sampler, min(int(probe.bands), probe.n), num_examples, batch_size,
                                epochs=epochs if steps is None else None, steps=steps, seed=seed)
         run_steps = sampler.steps
-        strategy = mechanism if isinstance(mechanism, Strategy) else parse_strategy(mechanism, run_steps)
+        strategy = mechanism if isinstance(mechanism, Strategy) else _parse_mechanism(mechanism, run_steps)
 
     agreement = check_agreement(strategy, sampler=sampler, steps=run_steps, method=accounting_method, delta=delta)
     refuse_non_guarantees(accounting_options)

@@ -74,6 +74,12 @@ class Privatizer:
     def noise_std(self) -> float:
         return float(self.generator.noise_std)
 
+    def adopt_noise_std(self, noise_std: float) -> None:
+        """Use ``noise_std`` from now on (resuming a run whose checkpoint was calibrated to it)."""
+        nu = check_real("noise_std", noise_std, low=0.0, low_open=True)
+        target = getattr(self.generator, "local", self.generator)  # a ShardedNoise holds its shard's generator
+        target.noise_std = nu
+
     @property
     def step(self) -> int:
         """The index t of the next noise row."""
