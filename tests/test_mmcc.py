@@ -383,3 +383,22 @@ def test_generic_calibration_through_mmcc():
     assert res.method == "mmcc" and 4.0 * 0.97 <= res.epsilon <= 4.0
     slightly_less = M.mmcc_epsilon(strat, 8, 0.2, res.noise_std * 0.95, 1e-6, delta_split=0.1)
     assert slightly_less.epsilon > 4.0
+
+
+@pytest.mark.parametrize("sigma", [1e-20, 1e-3])
+def test_noise_far_below_the_sensitivity_falls_back_to_the_unamplified_guarantee(sigma):
+    """At a noise whose grids would not fit in memory MMCC gives no bound (not epsilon 0, as an
+    int64 overflow of the sensitivity grid once did): the unamplified analysis binds."""
+    from corrnoise.accounting import account
+    from corrnoise.strategies import parse_strategy
+
+    res = account(parse_strategy("bsr:4", 16), "poisson:0.1", noise_multiplier=sigma, delta=1e-5, method="mmcc")
+    assert res.kind == "guarantee"
+    assert res.extras["binding"] == "unamplified"
+    assert res.epsilon == res.extras["epsilon_unamplified"] > 1e4
+
+
+def test_pmog_grid_too_large_is_no_bound():
+    remove, add = M.pmog_pld([1.0, 1.0], [0.1, 0.1], 1e-12)
+    for pld in (remove, add):
+        assert pld.inf_mass == 1.0  # delta(eps) = 1 for every eps: trivially valid

@@ -14,12 +14,12 @@ file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on st
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import click
 
 from ..errors import CorrnoiseError
+from .report import finite_json
 
 
 @click.command("plan")
@@ -64,7 +64,7 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
 
         data["plot"] = str(plot_plan(result, plot))
     if as_json:
-        click.echo(json.dumps(_finite(data), allow_nan=False))
+        click.echo(json.dumps(finite_json(data), allow_nan=False))
         return
     _table(result, data)
 
@@ -82,16 +82,6 @@ def _with_progress(setup, out_dir, mechanism_file):
             bar.update(task, description=f"planning: {label}", completed=done, total=total)
 
         return plan(setup, progress=progress, out_dir=out_dir, mechanism_file=mechanism_file)
-
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _fmt(x, spec=".4g"):

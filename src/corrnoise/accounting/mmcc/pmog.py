@@ -17,6 +17,8 @@ __all__ = ["DEFAULT_SENSITIVITY_TOLERANCE", "sensitivity_pmf", "pmog_pld"]
 
 #: Relative accuracy of the sensitivity grid: expected round-up of S_i <= this * E[S_i].
 DEFAULT_SENSITIVITY_TOLERANCE = 4e-3
+#: Most points of the sensitivity or loss grid (float64: 256 MiB); beyond, MMCC gives no bound.
+_MAX_GRID_POINTS = 2 ** 25
 #: Standard deviations of Gaussian noise covered by the x grid (beyond: exact tail masses).
 _XSPAN = 9.5
 
@@ -42,7 +44,11 @@ def sensitivity_pmf(c: np.ndarray, q: np.ndarray, s_step: float, tail: float = _
     ``tail`` quantile; returns (w, lost) with w[k] = Pr[S~ = k s_step, S~ <= cap] and
     lost = Pr[S~ > cap] (to be treated as infinite privacy loss).
     """
-    k = np.ceil(np.asarray(c, dtype=np.float64) / s_step).astype(np.int64)
+    ratio = np.ceil(np.asarray(c, dtype=np.float64) / s_step)
+    if not float(ratio.sum()) <= _MAX_GRID_POINTS:
+        raise CorrnoiseError("s_step", f"{s_step:g} puts {float(ratio.sum()):.3g} points on the sensitivity grid "
+                             f"(at most {_MAX_GRID_POINTS}); use a coarser step")
+    k = ratio.astype(np.int64)
     q = np.asarray(q, dtype=np.float64)
     keep = (k > 0) & (q > 0.0)
     k, q = k[keep], q[keep]
@@ -139,6 +145,10 @@ def _spread(lo_loss: np.ndarray, hi_loss: np.ndarray, mass: np.ndarray, ymass: n
     idx, pts = idx[lo:hi], pts[lo:hi].copy()
     pts[0] += moved_up
     base = int(idx[0])
+    if int(idx[-1]) - base >= _MAX_GRID_POINTS:
+        # losses spread over more grid points than fit in memory (noise far below the
+        # sensitivity): no bound from this row (delta(eps) = 1 for all eps, trivially valid)
+        return DiscretePLD(0, np.zeros(1), 1.0, step)
     probs = np.bincount(idx - base, weights=pts)
     return _truncate(base, probs, inf_mass + to_inf, step, tail)
 
@@ -171,6 +181,12 @@ def pmog_pld(
         return zero, zero
     if s_step is None:
         s_step = _choose_sensitivity_step(c, q, nu, sensitivity_tolerance)
+    if not float(np.ceil(c / s_step).sum()) <= _MAX_GRID_POINTS:
+        # noise far below the sensitivities: the grid of S would not fit in memory. No MMCC bound
+        # then -- every loss counts as infinite (delta(eps) = 1 for all eps, trivially valid), so
+        # the caller's unamplified analysis is what stands.
+        void = DiscretePLD(0, np.zeros(1), 1.0, loss_step)
+        return void, void
     w, lost = sensitivity_pmf(c, q, s_step, tail)
     mean = float(np.dot(q, c))
     sd = math.sqrt(float(np.dot(q * (1.0 - q), c * c)))
