@@ -511,3 +511,13 @@ def test_opacus_make_private_with_a_noise_multiplier_is_dp_sgd():
                                              max_grad_norm=1.0, epochs=1)
     assert opt.strategy.label == "identity" and opt.batching.spec.startswith("poisson")
     assert math.isclose(opt.noise_multiplier, 1.1)
+
+
+def test_balls_in_bins_from_epochs_runs_whole_epochs_when_the_batch_does_not_divide_the_data():
+    from corrnoise.torch.optimizer import make_sampler
+
+    sampler = make_sampler("balls-in-bins", 1, 1437, 256, epochs=2)  # 1437 / 256 = 5.6: 5 bins
+    assert (sampler.steps, sampler.bins) == (10, 5)
+    with pytest.raises(CorrnoiseError) as e:
+        make_sampler("balls-in-bins", 1, 1437, 256, epochs=1.5)
+    assert e.value.param == "epochs"

@@ -130,3 +130,44 @@ def test_matrix_files_are_validated(tmp_path):
     assert parse_strategy(f"matrix:{ok}", 4).n == 4
     with pytest.raises(CorrnoiseError):
         parse_strategy(f"matrix:{tmp_path / 'missing.npy'}", 4)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    (("params", "bands"), 2.5, "'bands' must be an integer"),
+    (("params", "bands"), "2", "'bands' must be an integer"),
+    (("params", "bands"), True, "'bands' must be an integer"),
+    (("column_normalized",), "false", "'column_normalized' must be true or false"),
+    (("n",), 16.7, "n: must be an integer"),
+    (("n",), True, "n: must be an integer"),
+    (("n",), "abc", "n: must be an integer"),
+    (("params",), [1], "'params' must be an object"),
+    (("params",), {}, "missing entry 'bands'"),
+])
+def test_mechanism_file_fields_have_their_types(tmp_path, field, value, says):
+    """A hand-edited file is refused naming the field, never read with another meaning."""
+    import json
+
+    path = save_mechanism(parse_strategy("bsr:2", 16), tmp_path / "m.json")
+    doc = json.loads(path.read_text())
+    target = doc
+    for key in field[:-1]:
+        target = target[key]
+    target[field[-1]] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CorrnoiseError) as e:
+        load_mechanism(path)
+    assert e.value.param == "mechanism" and says in str(e.value), str(e.value)
+
+
+def test_mechanism_file_with_arrays_goes_into_a_new_directory(tmp_path):
+    from corrnoise.strategies import Dense
+
+    path = save_mechanism(Dense(np.tril(np.ones((4, 4)))), tmp_path / "new" / "dense.json")
+    assert load_mechanism(path).n == 4
+
+
+@pytest.mark.parametrize("name", ["blt:3", "bandmf:4"])
+def test_planner_candidate_names_are_explained_not_misparsed(name):
+    with pytest.raises(CorrnoiseError) as e:
+        parse_strategy(name, 16)
+    assert e.value.param == "mechanism" and "planner" in str(e.value)

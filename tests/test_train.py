@@ -79,3 +79,21 @@ def test_candidate_choice_refuses_a_screened_candidate():
     with pytest.raises(CorrnoiseError, match="^candidate: .* has no final guarantee"):
         candidate_choice(screened, result)
     assert candidate_choice(result.recommended, result)["noise"]["guarantee"] is result.recommended.result
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--optimizer", "adam", "--momentum", "0.9"], "error: momentum: applies to sgd only"),
+    (["--optimizer", "adam"], "error: lr: give it with optimizer adam"),
+])
+def test_train_refuses_sgd_settings_with_adam(capsys, args, message):
+    code = main(["train", "--dataset", "digits", "--epsilon", "2", "--delta", "1e-5", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(message) and "\n" not in err
+
+
+def test_cli_reports_an_unwritable_path_in_one_line(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code = main(["optimize", "blt", "--n", "8", "--out", str(blocker / "m.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and str(blocker) in err and "\n" not in err

@@ -56,7 +56,7 @@ def check_real(
     hi_bad = high is not None and (x >= high if high_open else x > high)
     if lo_bad or hi_bad:
         lb = "(" if low_open else "["
-        hb = ")" if high_open else "]"
+        hb = ")" if high_open or high is None else "]"
         lo_s = "-inf" if low is None else f"{low:g}"
         hi_s = "inf" if high is None else f"{high:g}"
         raise CorrnoiseError(name, f"must lie in {lb}{lo_s}, {hi_s}{hb}, got {x:g}")

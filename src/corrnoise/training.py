@@ -106,6 +106,12 @@ def train(
                        ("optimizer", optimizer), ("clip_norm", clip_norm)):
         if value is not None:
             hp[key] = value
+    if hp["optimizer"] == "adam":
+        if momentum is not None:
+            raise CorrnoiseError("momentum", "applies to sgd only (adam keeps its own moment estimates)")
+        if lr is None and DATASETS[dataset].defaults.get("optimizer") != "adam":
+            raise CorrnoiseError("lr", f"give it with optimizer adam: the {dataset} default ({hp['lr']:g}) is tuned "
+                                 "for sgd")
     epochs = check_real("epochs", hp["epochs"], low=0.0, low_open=True, high=10000.0)
     lr = check_real("lr", hp["lr"], low=0.0, low_open=True)
     clip = check_real("clip_norm", hp["clip_norm"], low=0.0, low_open=True)

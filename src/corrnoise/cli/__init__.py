@@ -122,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except click.exceptions.Exit as exc:
         return exc.exit_code
+    except MemoryError:
+        click.echo("error: out of memory: these inputs need an array too large for this machine (a very large n, "
+                   "or a noise level far below the sensitivity); reduce them", err=True)
+        return 2
+    except OSError as exc:  # a path that cannot be read or written (a missing parent, a file in the way)
+        where = f"'{exc.filename}'" if getattr(exc, "filename", None) else "file"
+        click.echo(f"error: {where}: {exc.strerror or exc}", err=True)
+        return 2
     except Exception as exc:  # a bug, not bad input: still one line unless asked for more
         if os.environ.get("CORRNOISE_DEBUG"):
             raise

@@ -68,7 +68,7 @@ def validate_blt(alpha: Any, lam: Any) -> tuple[np.ndarray, np.ndarray]:
     bad = (lam < 0.0) | (lam >= 1.0)
     if np.any(bad):
         raise CorrnoiseError(
-            "lambda", f"every decay must lie in [0, 1), got {lam[bad][0]!r}"
+            "lambda", f"every decay must lie in [0, 1), got {float(lam[bad][0])!r}"
         )
     return alpha, lam
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorrnoiseError
+from ..errors import CorrnoiseError, check_int
 from .base import Strategy
 from .colnorm import ColumnNormalized
 from .kinds import kind_class
@@ -35,6 +35,7 @@ def save_mechanism(
         raise CorrnoiseError("out", f"mechanism files end in .json, got {str(path)!r}")
     base = strategy.base if isinstance(strategy, ColumnNormalized) else strategy
     arrays = base.arrays()
+    path.parent.mkdir(parents=True, exist_ok=True)
     npz_name = None
     if arrays:
         npz_name = path.with_suffix(".npz").name
@@ -51,7 +52,6 @@ def save_mechanism(
         "designed_for": designed_for or {},
         "losses": losses or {},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
 
@@ -78,14 +78,67 @@ def load_mechanism(path: str | Path, n: int | None = None) -> Strategy:
     doc = read_mechanism_document(path)
     arrays: dict[str, np.ndarray] = {}
     if doc.get("arrays"):
+        if not isinstance(doc["arrays"], str):
+            raise CorrnoiseError("mechanism", f"{str(path)!r}: 'arrays' must be a file name, got {doc['arrays']!r}")
         try:
             with np.load(path.parent / doc["arrays"], allow_pickle=False) as data:
                 arrays = {k: data[k] for k in data.files}
         except OSError:
             raise CorrnoiseError("mechanism", f"missing array file {doc['arrays']!r} beside {str(path)!r}") from None
-    strategy = kind_class(doc["kind"]).from_params(int(doc["n"]), doc.get("params", {}), arrays)
+    where = str(path)
+    if not isinstance(doc.get("kind"), str):
+        raise CorrnoiseError("mechanism", f"{where!r}: 'kind' must be a string, got {doc.get('kind')!r}")
+    try:
+        steps = check_int("n", doc.get("n"), minimum=1)
+    except CorrnoiseError as exc:
+        raise CorrnoiseError("mechanism", f"{where!r}: {exc}") from None
+    params = doc.get("params", {})
+    _check_params(params, where)
+    normalized = doc.get("column_normalized", False)
+    if not isinstance(normalized, bool):
+        raise CorrnoiseError("mechanism", f"{where!r}: 'column_normalized' must be true or false, got {normalized!r}")
+    try:
+        strategy = kind_class(doc["kind"]).from_params(steps, params, arrays)
+    except KeyError as exc:
+        raise CorrnoiseError("mechanism", f"{where!r}: missing entry {exc.args[0]!r} for kind {doc['kind']!r}") from None
+    except (TypeError, ValueError, IndexError) as exc:
+        if isinstance(exc, CorrnoiseError):
+            raise
+        raise CorrnoiseError("mechanism", f"{where!r}: malformed parameters for kind {doc['kind']!r} ({exc})") from None
     if n is not None:
         strategy = strategy.with_n(n)
-    if doc.get("column_normalized"):
+    if normalized:
         strategy = ColumnNormalized(strategy)
     return strategy
+
+
+#: parameters that count something (an integer, not a float rounded down)
+_INTEGER_PARAMS = ("bands",)
+#: parameters that name something
+_STRING_PARAMS = ("base_kind", "decoding")
+
+
+def _check_params(params: Any, where: str) -> None:
+    """Every parameter of a mechanism file has its type: integers where they count, strings where
+    they name, numbers (or lists of numbers) elsewhere -- never a string or a boolean read as a
+    number (``"bands": 2.5`` silently becoming 2, ``"column_normalized": "false"`` read as true)."""
+    if not isinstance(params, dict):
+        raise CorrnoiseError("mechanism", f"{where!r}: 'params' must be an object, got {params!r}")
+    for key, value in params.items():
+        if key == "base_params":
+            _check_params(value, where)
+        elif key in _STRING_PARAMS:
+            if not isinstance(value, str):
+                raise CorrnoiseError("mechanism", f"{where!r}: parameter {key!r} must be a string, got {value!r}")
+        elif key in _INTEGER_PARAMS:
+            if isinstance(value, float) or not isinstance(value, int) or isinstance(value, bool):
+                raise CorrnoiseError("mechanism", f"{where!r}: parameter {key!r} must be an integer, got {value!r}")
+        elif not _numbers(value):
+            raise CorrnoiseError("mechanism", f"{where!r}: parameter {key!r} must be a number or a list of numbers, "
+                                 f"got {value!r}")
+
+
+def _numbers(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_numbers(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

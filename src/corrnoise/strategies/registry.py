@@ -61,8 +61,16 @@ def parse_strategy(name: str, n: int) -> Strategy:
     if head == "dpcgd" and rest:
         return DPCGD(_float("beta", rest), n)
     if head == "blt" and rest:
-        a, _, lam = rest.partition(":")
+        a, sep, lam = rest.partition(":")
+        if not sep:
+            raise CorrnoiseError("mechanism", f"{name!r}: a BLT is written blt:ALPHAS:LAMBDAS (comma lists, e.g. "
+                                 "blt:0.3,0.1:0.9,0.5); the planner's blt:BUFFERS candidates are designed for a run "
+                                 "(corrnoise plan --out DIR writes their mechanism files; mechanism 'blt' plans one)")
         return BLT(_floats("alpha", a), _floats("lambda", lam), n)
+    if head == "bandmf" and rest:
+        raise CorrnoiseError("mechanism", f"{name!r} is the planner's name for a BandMF it optimizes for a run: pass "
+                             "mechanism 'bandmf' (the planner's best), or the file of corrnoise plan --out DIR, or "
+                             "optimize it (corrnoise optimize banded); bsr:B is the closed-form banded square root")
     if head == "matrix" and rest:
         return Dense(_load_npy(rest)).with_n(n)
     if name.endswith(".json") or Path(name).is_file():

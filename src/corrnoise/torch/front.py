@@ -139,6 +139,8 @@ def make_private(
         epochs = check_real("epochs", epochs, low=0.0, low_open=True)
     if steps is not None:
         steps = check_int("steps", steps, minimum=1)
+    if noise_seed is not None:
+        noise_seed = check_int("noise_seed", noise_seed, minimum=0)
     if not isinstance(batching, BatchSampler) and batching not in BATCHINGS:
         raise CorrnoiseError("batching", f"must be one of {', '.join(BATCHINGS)} or a corrnoise.sampling sampler, "
                              f"got {batching!r}")

@@ -250,6 +250,14 @@ def make_sampler(
         if steps is None:
             steps = max(1, int(round(check_real("epochs", epochs, low=0.0, low_open=True) * per_epoch)))
         return CyclicSampler(n_ex, b, steps=steps, seed=seed)
+    if sampling == "balls-in-bins":  # n = bins * epochs (seed 000 Def. 3.1): whole epochs of N // B bins
+        bins = max(1, n_ex // b)
+        if steps is None:
+            e = check_real("epochs", epochs, low=0.0, low_open=True)
+            if not e.is_integer():
+                raise CorrnoiseError("epochs", f"balls-in-bins batching runs whole epochs (of {bins} batches), got {e:g}")
+            steps = int(e) * bins
+        return BallsInBinsSampler(n_ex, min(bins, steps), steps, batch_size=b, seed=seed)
     if steps is None:
         steps = max(1, int(round(check_real("epochs", epochs, low=0.0, low_open=True) * n_ex / b)))
     if sampling == "poisson":
@@ -261,8 +269,7 @@ def make_sampler(
             raise CorrnoiseError("batch_size", f"block-cyclic sampling with {blocks} blocks of ~{n_ex // blocks} "
                                  f"examples cannot give batches of {b}; use a smaller batch or fewer bands")
         return BlockCyclicPoissonSampler(n_ex, blocks, p, steps, seed=seed)
-    bins = max(1, n_ex // b)
-    return BallsInBinsSampler(n_ex, min(bins, steps), steps, batch_size=b, seed=seed)
+    raise AssertionError(sampling)  # pragma: no cover - every name of SAMPLINGS is handled above
 
 
 def _parse_mechanism(mechanism: str, steps: int) -> Strategy:
