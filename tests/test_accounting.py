@@ -439,3 +439,36 @@ def test_cli_bad_input_one_line(capsys, args, param):
     code, _, err = _run(capsys, "account", "identity", "--n", "20", "--batching", "poisson:0.1", "--sigma", "1",
                         "--delta", "0")
     assert code != 0 and err.startswith("error: delta:") and err.count("\n") == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(mu=st.floats(0.05, 200.0), log_delta=st.floats(-30.0, -0.1))
+def test_gaussian_tail_bound_is_a_valid_epsilon(mu, log_delta):
+    """The fallback past MU_MAX: mu^2/2 + mu sqrt(2 log(1/delta)) is never below the exact epsilon."""
+    from corrnoise.accounting.gaussian import epsilon_tail_bound, gaussian_epsilon
+
+    delta = math.exp(log_delta)
+    assert epsilon_tail_bound(mu, delta) >= gaussian_epsilon(delta, mu)
+
+
+def test_gaussian_extremes_give_bounds_not_nan():
+    from corrnoise.accounting.gaussian import MU_MAX, epsilon_tail_bound, gaussian_epsilon, gaussian_mu
+
+    assert gaussian_mu(1e308, 1e-5) == MU_MAX
+    assert gaussian_epsilon(1e-5, 1e300) == math.inf
+    assert gaussian_epsilon(1e-5, 2e6) == epsilon_tail_bound(2e6, 1e-5)
+
+
+def test_calibration_stops_at_the_least_noise_searched_when_any_noise_meets_the_target():
+    """delta 0.9 is met with no noise at all for Poisson DP-SGD: calibration returns the floor
+    (noise multiplier 1/8: more noise than needed, a valid guarantee) instead of searching the
+    PLD grids at vanishing noise for hours."""
+    import time
+
+    from corrnoise.accounting.calibrate import MIN_NOISE_MULTIPLIER
+
+    t0 = time.perf_counter()
+    res = calibrate(parse_strategy("dpsgd", 16), "poisson:0.125", epsilon=2.0, delta=0.9)
+    assert time.perf_counter() - t0 < 60.0
+    assert res.kind == "guarantee" and res.epsilon <= 2.0
+    assert res.noise_multiplier == pytest.approx(MIN_NOISE_MULTIPLIER)

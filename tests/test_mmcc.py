@@ -402,3 +402,11 @@ def test_pmog_grid_too_large_is_no_bound():
     remove, add = M.pmog_pld([1.0, 1.0], [0.1, 0.1], 1e-12)
     for pld in (remove, add):
         assert pld.inf_mass == 1.0  # delta(eps) = 1 for every eps: trivially valid
+
+
+def test_a_lower_bound_labels_the_unamplified_epsilon_beside_it_as_a_guarantee():
+    from corrnoise.strategies import parse_strategy
+
+    lower = M.mmcc_epsilon(parse_strategy("bsr:4", 16).matrix(), None, 0.1, 2.0, 1e-5, lower_bound=True)
+    assert lower.kind == "lower_bound"
+    assert "epsilon_unamplified" not in lower.extras and lower.extras["epsilon_unamplified_guarantee"] > lower.epsilon

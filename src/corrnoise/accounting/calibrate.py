@@ -28,6 +28,11 @@ DEFAULT_RTOL = 1e-3
 _COARSE_DISCRETIZATION = 1e-3
 #: The search gives up beyond noise multipliers outside [1/_RANGE, _RANGE].
 _RANGE = 1e6
+#: :func:`calibrate` searches no lower than this noise multiplier: a target met with less noise
+#: (delta near 1, epsilon in the hundreds) gets this much, more than it needs (still a valid
+#: calibration, reported as what it is), since the PLD grids grow like 1 / noise^2 (a minute per
+#: evaluation at noise multiplier 0.05, hours below: a hang, not an answer).
+MIN_NOISE_MULTIPLIER = 0.125
 
 
 def calibrate_noise(
@@ -37,13 +42,15 @@ def calibrate_noise(
     rtol: float = DEFAULT_RTOL,
     max_evaluations: int = 200,
     factor: float = 4.0,
+    floor: float | None = None,
 ) -> tuple[float, float, int]:
     """Smallest x > 0 (up to ``rtol``) with ``epsilon_of(x) <= target``, for a non-increasing
     ``epsilon_of``.  Returns ``(x, epsilon_of(x), evaluations)`` with ``epsilon_of(x) <= target``.
 
     ``start`` is the first guess (the noise at noise multiplier 1, say); the bracket grows from
     it by ``factor`` per step (use a factor near 1 when ``start`` is already close).  Raises
-    CorrnoiseError if even ``start * 1e6`` is not enough.
+    CorrnoiseError if even ``start * 1e6`` is not enough. Going down it stops below ``floor``
+    (default ``start / 1e6``) and returns the smallest noise tried (which meets the target).
     """
     if not factor > 1.0:
         raise CorrnoiseError("factor", f"must be > 1, got {factor!r}")
@@ -67,11 +74,12 @@ def calibrate_noise(
     if e <= target:
         hi, e_hi = x, e
         lo, e_lo = x, e
+        limit = start / _RANGE if floor is None else floor
         while e_lo <= target:
             hi, e_hi = lo, e_lo
-            lo = lo / factor
-            if lo < start / _RANGE:  # even (almost) no noise meets the target
+            if lo <= limit:  # even the least noise searched meets the target: keep it
                 return hi, e_hi, evaluations
+            lo = max(lo / factor, limit)
             e_lo = f(lo)
     else:
         lo, e_lo = x, e
@@ -150,14 +158,16 @@ def calibrate(event_or_strategy, batching=None, *, epsilon, delta, method: str =
         return cache[noise_std].epsilon
 
     start, factor, evaluations = column_norm(strategy), 4.0, 0
+    floor = MIN_NOISE_MULTIPLIER * start
     if "discretization" not in opts and method_accepts(spec, "discretization"):
         # PLD methods: search with a 10x coarser (still pessimistic) discretization, ~10x cheaper,
         # then finish at the requested one from that point in a narrow bracket.
         coarse = dict(opts, discretization=_COARSE_DISCRETIZATION)
         start, _, evaluations = calibrate_noise(
-            lambda nu: spec.account(strategy, batching, nu, delta, **coarse).epsilon, target, start, rtol=rtol)
+            lambda nu: spec.account(strategy, batching, nu, delta, **coarse).epsilon, target, start, rtol=rtol,
+            floor=floor)
         factor = 1.0 + 4.0 * rtol
-    noise_std, _, fine = calibrate_noise(epsilon_of, target, start=start, rtol=rtol, factor=factor)
+    noise_std, _, fine = calibrate_noise(epsilon_of, target, start=start, rtol=rtol, factor=factor, floor=floor)
     require_guarantee(cache[noise_std], "calibrate")
     result = cache[noise_std].with_extras(target_epsilon=target, calibration_evaluations=evaluations + fine,
                                           calibration_rtol=rtol)

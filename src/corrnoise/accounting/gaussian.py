@@ -54,6 +54,18 @@ def gaussian_delta(epsilon: float, mu: float) -> float:
     return math.exp(gaussian_log_delta(epsilon, mu))
 
 
+#: Largest mu solved for exactly (epsilon ~ mu^2 / 2 = 5e11); beyond it the float arithmetic of the
+#: profile breaks down and the tail bound of :func:`epsilon_tail_bound` is used instead.
+MU_MAX = 1e6
+
+
+def epsilon_tail_bound(mu: float, delta: float) -> float:
+    """eps = mu^2 / 2 + mu sqrt(2 log(1/delta)) gives (eps, delta)-DP for mu-GDP: the privacy loss is
+    N(mu^2/2, mu^2), delta(eps) <= Pr[L > eps] <= exp(-z^2 / 2) = delta at z = sqrt(2 log(1/delta))
+    (the Chernoff bound of the Gaussian tail). A valid, looser epsilon."""
+    return mu * mu / 2.0 + mu * math.sqrt(2.0 * math.log(1.0 / delta))
+
+
 def gaussian_epsilon(delta: float, mu: float) -> float:
     """Smallest eps >= 0 with delta(eps) <= delta for mu-GDP: the inverse of (GDP-profile) in eps.
 
@@ -62,10 +74,12 @@ def gaussian_epsilon(delta: float, mu: float) -> float:
     """
     delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     mu = check_real("gdp_mu", mu, low=0.0, low_open=True)
+    if mu > MU_MAX:  # almost no noise: the tail bound (inf when mu^2 overflows)
+        return epsilon_tail_bound(mu, delta)
     log_target = math.log(delta)
     if gaussian_log_delta(0.0, mu) <= log_target:
         return 0.0
-    hi = mu * mu / 2.0 + mu * math.sqrt(2.0 * math.log(1.0 / delta)) + 1.0
+    hi = epsilon_tail_bound(mu, delta) + 1.0
     while gaussian_log_delta(hi, mu) > log_target:  # pragma: no cover - the tail bound suffices
         hi *= 2.0
     f = lambda e: gaussian_log_delta(e, mu) - log_target  # noqa: E731
@@ -84,6 +98,8 @@ def gaussian_mu(epsilon: float, delta: float) -> float:
     """
     epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
     delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+    if epsilon >= epsilon_tail_bound(MU_MAX, delta):  # met with mu = MU_MAX already: more is not solved for
+        return MU_MAX
     log_target = math.log(delta)
     f = lambda m: gaussian_log_delta(epsilon, m) - log_target  # noqa: E731
     lo, hi = 1e-3, 1.0

@@ -78,7 +78,7 @@ class AmplifiedResult:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "strategy": self.strategy.label, "n": self.strategy.n, "bins": self.bins,
-                "epsilon": self.epsilon, "delta": self.delta, "noise_std": self.noise_std,
+                "epsilon_target": self.epsilon, "delta": self.delta, "noise_std": self.noise_std,
                 "noise_multiplier": self.noise_multiplier, "rms_error": self.rms_error,
                 "result_kind": self.result_kind, "samples": self.samples, "seconds": self.seconds,
                 "start_rms_estimate": self.start_estimate, "optimized_rms_estimate": self.optimized_estimate,

@@ -292,6 +292,8 @@ def mmcc_epsilon(
         "loss_discretization": loss_discretization,
         "seconds": time.perf_counter() - started,
     }
+    if lower_bound:  # the unamplified epsilon is a guarantee (an upper bound): say so beside a lower bound
+        extras["epsilon_unamplified_guarantee"] = extras.pop("epsilon_unamplified")
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
     return PrivacyResult(float(eps), delta, noise_std, noise_std / col, "mmcc-lower" if lower_bound else "mmcc", extras,
                          kind="lower_bound" if lower_bound else "guarantee")

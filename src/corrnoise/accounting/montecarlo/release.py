@@ -40,6 +40,22 @@ def verification_samples(delta: float, tau: float = DEFAULT_TAU,
     return int(math.ceil(math.log(2.0 / failure) / rate))
 
 
+#: Most verification samples a run may ask for (at delta 1e-6 it needs 1.1e9; 1e-7 would need 1.3e10,
+#: hours on a CPU): past it, a verified guarantee is refused before any sampling instead of running on.
+MAX_VERIFY_SAMPLES = 1 << 31
+
+
+def check_verification_cost(delta: float, tau: float = DEFAULT_TAU) -> int:
+    """The verification samples for ``delta`` (:func:`verification_samples`), or a one-line error
+    naming delta when they exceed :data:`MAX_VERIFY_SAMPLES` (the count grows like 1 / delta)."""
+    needed = verification_samples(delta, tau)
+    if needed > MAX_VERIFY_SAMPLES:
+        raise CorrnoiseError("delta", f"a verified Monte Carlo guarantee (balls-in-bins, seed 000 Thm 2.2) at delta "
+                             f"{delta:g} needs {needed:.2g} samples (at most {MAX_VERIFY_SAMPLES:.2g}: hours of work); "
+                             "use delta >= 1e-6, or a batching with an analytic accountant (poisson, cyclic)")
+    return needed
+
+
 @dataclass(frozen=True)
 class Verification:
     """Estimate-Verify-Release (seed 000 Algorithm 1, Thm 2.1, 2.2) on a fresh sample.
@@ -202,6 +218,8 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, nois
     if not verify and (verify_samples is not None or verify_seed is not None):
         raise CorrnoiseError("verify_samples" if verify_samples is not None else "verify_seed",
                              "only applies to a verified result (an estimate is not verified)")
+    if verify and verify_samples is None and delta is not None:
+        check_verification_cost(delta, tau)
     target = None if delta is None else (delta / tau if verify else delta)
     z = margin_z if verify else 0.0
     extras: dict[str, Any] = {"seed_source": "explicit" if explicit else "os"}
