@@ -472,3 +472,14 @@ def test_calibration_stops_at_the_least_noise_searched_when_any_noise_meets_the_
     assert time.perf_counter() - t0 < 60.0
     assert res.kind == "guarantee" and res.epsilon <= 2.0
     assert res.noise_multiplier == pytest.approx(MIN_NOISE_MULTIPLIER)
+
+
+@pytest.mark.parametrize("epsilon", [1e-12, 1e-9, 1e-3])
+def test_gaussian_calibration_at_tiny_epsilon_is_quick_and_valid(epsilon):
+    """The step-up after the root finder once crept by 1e-15 relative: ~1e13 tries at eps 1e-12."""
+    from corrnoise.accounting.gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
+
+    mu = gaussian_mu(epsilon, 1e-5)
+    assert gaussian_delta(epsilon, mu) <= 1e-5
+    assert gaussian_epsilon(1e-5, mu) <= epsilon * (1.0 + 1e-6)
+    assert gaussian_delta(epsilon, mu * 1.001) > 1e-5  # and it is the largest such mu (within 0.1%)

@@ -84,9 +84,11 @@ def gaussian_epsilon(delta: float, mu: float) -> float:
         hi *= 2.0
     f = lambda e: gaussian_log_delta(e, mu) - log_target  # noqa: E731
     eps = brentq(f, 0.0, hi, xtol=1e-14, rtol=4 * np.finfo(float).eps, maxiter=500)
-    # brentq returns a point within tolerance of the root; step up until the guarantee holds.
+    # brentq returns a point within tolerance (1e-14) of the root; step up until the guarantee holds,
+    # doubling the step (a fixed relative step takes ~1e13 tries at eps ~ 1e-12)
+    step = max(eps * 1e-15, 1e-300)
     while f(eps) > 0.0:
-        eps = eps * (1.0 + 1e-15) + 1e-300
+        eps, step = eps + step, 2.0 * step
     return float(eps)
 
 
@@ -110,8 +112,9 @@ def gaussian_mu(epsilon: float, delta: float) -> float:
     while f(hi) <= 0.0:
         lo, hi = hi, hi * 2.0
     mu = brentq(f, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=500)
-    while f(mu) > 0.0:
-        mu *= 1.0 - 1e-15
+    shrink = 1e-15
+    while f(mu) > 0.0:  # down (less mu = more noise) until the guarantee holds, doubling the step
+        mu, shrink = mu * (1.0 - shrink), min(2.0 * shrink, 0.5)
     return float(mu)
 
 
