@@ -1,0 +1,76 @@
+"""Cost of the clipping engine's torch.func fallback on layers without a rule (README: recurrent
+layers, MultiheadAttention): one backward + clipped_sum vs a plain forward+backward.
+
+    PYTHONPATH=src python benchmarks/bench_fallback.py [--reps 10] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from corrnoise.torch.clipping import ClippingEngine
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, cls):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(100, 32), cls(32, 64, batch_first=True), nn.Linear(64, 2)
+
+    def forward(self, x):
+        out, _ = self.rnn(self.emb(x))
+        return self.head(out[:, -1])
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.att, self.head = nn.Embedding(100, 64), nn.MultiheadAttention(64, 4, batch_first=True), nn.Linear(64, 2)
+
+    def forward(self, x):
+        h = self.emb(x)
+        out, _ = self.att(h, h, h)
+        return self.head(out.mean(1))
+
+
+def _median_ms(model, x, y, private: bool, reps: int) -> float:
+    engine = ClippingEngine(model, max_grad_norm=1.0) if private else None
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if engine is not None:
+            engine.clipped_sum(x.shape[0])
+            engine.clear()
+        model.zero_grad()
+        times.append(time.perf_counter() - t0)
+    if engine is not None:
+        engine.detach()
+    times = sorted(times[2:])
+    return 1e3 * times[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 100, (64, 20)), torch.randint(0, 2, (64,))
+    print("| model (batch 64 x 20 tokens) | plain ms | clipped ms | x plain |")
+    print("|---|---:|---:|---:|")
+    for name, build in (("LSTM 32->64", lambda: _Recurrent(nn.LSTM)), ("GRU 32->64", lambda: _Recurrent(nn.GRU)),
+                        ("MultiheadAttention 64, 4 heads", _Attention)):
+        plain = _median_ms(build(), x, y, False, args.reps)
+        clipped = _median_ms(build(), x, y, True, args.reps)
+        print(f"| {name} | {plain:.1f} | {clipped:.1f} | {clipped / plain:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
