@@ -103,3 +103,16 @@ def test_failed_verification_releases_nothing(capsys):
                          "--delta", "1e-5", "--verify", "--samples", "1000", "--verify-samples", "100000",
                          "--seed", "0")
     assert code == 2 and out == "" and err.startswith("error: verify:") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, param", [
+    (["plan", "--dataset-size", "1000", "--batch-size", "100", "--epochs", "1", "--epsilon", "2", "--delta", "1e-5",
+      "--mechanism-file", "x.txt"], "mechanism_file"),
+    (["train", "--dataset", "digits", "--epsilon", "2", "--delta", "1e-5", "--physical-batch-size", "0"],
+     "physical_batch_size"),
+    (["train", "--dataset", "digits", "--epsilon", "2", "--delta", "1e-5", "--compare", " "], "compare"),
+])
+def test_cli_errors_name_the_option_given(capsys, args, param):
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"error: {param}: ") and "\n" not in err

@@ -66,6 +66,10 @@ def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_si
 
     if plot is not None and not str(plot).lower().endswith(".png"):
         raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
+    if physical_batch_size is not None and physical_batch_size < 1:
+        raise CorrnoiseError("physical_batch_size", f"must be >= 1, got {physical_batch_size}")
+    if compare is not None and not compare.strip():
+        raise CorrnoiseError("compare", "names a second mechanism to train beside the first; got an empty name")
     bar, report = _progress_bar(not as_json and sys.stderr.isatty())
     kwargs = dict(epsilon=epsilon, delta=delta, batching=batching, epochs=epochs, batch_size=batch_size, lr=lr,
                   momentum=momentum, optimizer=optimizer, clip_norm=clip_norm, seed=seed, noise_seed=noise_seed,

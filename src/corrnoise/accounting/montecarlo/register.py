@@ -26,8 +26,8 @@ def _options(samples, seed, progress, verify, verify_samples, tau, estimate, ver
     explicitly True (``verify=False`` alone is refused: an estimate must be asked for by name)."""
     estimate = bool(estimate)
     if estimate and verify:
-        raise CorrnoiseError("estimate", "estimate=True asks for an unverified estimate; it cannot be combined "
-                             "with verify=True")
+        raise CorrnoiseError("estimate", "asks for an unverified estimate; it cannot be combined with verify "
+                             "(a verified guarantee)")
     if verify is not None and not verify and not estimate:
         raise CorrnoiseError("verify", "verify=False would release an unverified Monte Carlo estimate; ask for "
                              "one explicitly with estimate=True")
