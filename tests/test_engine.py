@@ -519,3 +519,92 @@ def test_engine_restricted_to_the_given_parameters_clips_only_them():
             r += t * min(1.0, 0.2 / norm)
     for s, r in zip(sums, ref):
         _close(s, r)
+
+
+class _RecurrentWithState(nn.Module):
+    """An LSTM given its initial state (h0, c0): (layers, B, hidden), batch on dim 1."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 5, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(5, 2)
+        self.layers = layers
+
+    def forward(self, x):
+        h0 = torch.tanh(x[:, :self.layers, :1].transpose(0, 1).expand(self.layers, -1, 5).contiguous())
+        out, _ = self.rnn(x, (h0, torch.zeros_like(h0)))
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("layers, batch", [(1, 4), (2, 2), (1, 1)])
+def test_rnn_initial_state_is_split_on_its_batch_dimension(layers, batch):
+    _check_against_loop(_RecurrentWithState(layers), torch.randn(batch, 4, 3), torch.randint(0, 2, (batch,)))
+
+
+class _MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)  # (L, S): shared, even when L == B
+        out, _ = self.att(x, x, x, attn_mask=mask)
+        return self.head(out.mean(1))
+
+
+def test_a_2d_attention_mask_is_shared_even_when_its_length_equals_the_batch():
+    _check_against_loop(_MaskedAttention(), torch.randn(4, 4, 4), torch.randint(0, 2, (4,)))
+
+
+def test_dropout_inside_an_rnn_is_refused_in_training():
+    model = nn.Sequential()
+    model.rnn = nn.LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True)
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    out, _ = model.rnn(torch.randn(3, 5, 3))
+    out.sum().backward()
+    state = torch.get_rng_state()
+    with pytest.raises(CorrnoiseError) as e:
+        eng.clipped_sum(3)
+    assert "'rnn'" in str(e.value) and "dropout" in str(e.value)
+    assert torch.equal(torch.get_rng_state(), state)  # the re-runs left the random stream alone
+    eng.detach()
+
+
+def test_packed_sequences_are_refused_naming_the_layer():
+    rnn = nn.LSTM(3, 4, batch_first=True)
+    model = nn.Sequential()
+    model.rnn = rnn
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(3, 5, 3), torch.tensor([5, 4, 2]), batch_first=True)
+    out, _ = model.rnn(packed)
+    out.data.sum().backward()
+    with pytest.raises(CorrnoiseError) as e:
+        eng.clipped_sum(3)
+    assert "PackedSequence" in str(e.value) and "\n" not in str(e.value)
+    eng.detach()
+
+
+class _Counting(nn.Module):
+    """A layer without a rule that updates a buffer in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return x @ self.weight
+
+
+def test_fallback_re_runs_leave_the_layers_buffers_alone():
+    model = nn.Sequential(_Counting(), nn.Linear(3, 2))
+    _check_against_loop(model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    calls = float(model[0].calls)
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    F.cross_entropy(model(torch.randn(4, 3)), torch.randint(0, 2, (4,)), reduction="sum").backward()
+    eng.clipped_sum(4)
+    eng.detach()
+    assert float(model[0].calls) == calls + 1  # the forward only

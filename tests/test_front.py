@@ -521,3 +521,23 @@ def test_balls_in_bins_from_epochs_runs_whole_epochs_when_the_batch_does_not_div
     with pytest.raises(CorrnoiseError) as e:
         make_sampler("balls-in-bins", 1, 1437, 256, epochs=1.5)
     assert e.value.param == "epochs"
+
+
+def test_a_checkpoint_of_another_mechanism_with_the_same_label_is_refused():
+    """Two 2-buffer BLTs are both labelled blt(d=2); the checkpoint's fingerprint of C tells them
+    apart (adopting the other's noise and guarantee would report an epsilon the run does not have)."""
+    def build(mech):
+        model = _mlp()
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(), batch_size=16),
+                            mechanism=mech, noise_multiplier=1.0, delta=1e-5, epochs=2, max_grad_norm=1.0,
+                            batching="cyclic", noise_seed=3, seed=5)
+
+    _, first, _ = build("blt:0.05,0.01:0.2,0.1")
+    state = first.state_dict()
+    _, other, _ = build("blt:0.5,0.1:0.9,0.5")
+    assert other.strategy.label == first.strategy.label
+    with pytest.raises(CorrnoiseError) as e:
+        other.load_state_dict(state)
+    assert e.value.param == "mechanism"
+    _, same, _ = build("blt:0.05,0.01:0.2,0.1")
+    same.load_state_dict(state)

@@ -410,3 +410,10 @@ def test_a_lower_bound_labels_the_unamplified_epsilon_beside_it_as_a_guarantee()
     lower = M.mmcc_epsilon(parse_strategy("bsr:4", 16).matrix(), None, 0.1, 2.0, 1e-5, lower_bound=True)
     assert lower.kind == "lower_bound"
     assert "epsilon_unamplified" not in lower.extras and lower.extras["epsilon_unamplified_guarantee"] > lower.epsilon
+
+
+def test_a_lower_bound_whose_grids_give_up_is_the_trivial_zero_not_the_upper_bound():
+    from corrnoise.strategies import parse_strategy
+
+    lower = M.mmcc_epsilon(parse_strategy("bsr:4", 16).matrix(), None, 0.1, 1e-3, 1e-5, lower_bound=True)
+    assert lower.kind == "lower_bound" and lower.epsilon == 0.0

@@ -4,11 +4,11 @@ from .base import Strategy
 from .colnorm import ColumnNormalized
 from .dense import Banded, Dense
 from .tree import OnlineTree, Tree
-from .io import load_mechanism, save_mechanism
+from .io import load_mechanism, mechanism_fingerprint, save_mechanism
 from .registry import parse_strategy
 from .toeplitz import BLT, DPCGD, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
 
 __all__ = [
     "BLT", "DPCGD", "Banded", "BandedInverse", "BandedInverseSqrt", "BandedSqrt", "ColumnNormalized", "Dense", "Identity", "Prefix",
-    "OnlineTree", "Strategy", "Toeplitz", "ToeplitzSqrt", "Tree", "load_mechanism", "parse_strategy", "save_mechanism",
+    "OnlineTree", "Strategy", "Toeplitz", "ToeplitzSqrt", "Tree", "load_mechanism", "mechanism_fingerprint", "parse_strategy", "save_mechanism",
 ]

@@ -8,6 +8,7 @@ vectors) go to ``<stem>.npz`` next to it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,20 @@ def save_mechanism(
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+def mechanism_fingerprint(strategy: Strategy) -> str:
+    """SHA-256 of everything that defines the mechanism (kind, n, column normalization, parameters,
+    arrays): equal fingerprints, same C. Labels are not enough (every 2-buffer BLT is ``blt(d=2)``)."""
+    base = strategy.base if isinstance(strategy, ColumnNormalized) else strategy
+    h = hashlib.sha256()
+    head = {"kind": base.kind, "n": int(strategy.n), "column_normalized": isinstance(strategy, ColumnNormalized),
+            "params": base.params()}
+    h.update(json.dumps(head, sort_keys=True, default=lambda o: np.asarray(o, dtype=np.float64).tolist()).encode())
+    for key, value in sorted(base.arrays().items()):
+        h.update(key.encode())
+        h.update(np.ascontiguousarray(value, dtype=np.float64).tobytes())
+    return h.hexdigest()
 
 
 def read_mechanism_document(path: str | Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 from ..accounting import PrivacyResult
 from ..errors import CorrnoiseError, check_int
 from ..sampling import BatchSampler
-from ..strategies import Strategy
+from ..strategies import Strategy, mechanism_fingerprint
 from .loader import _StepContext
 from .optimizer import balls_in_bins_accounted_steps, privacy_spent
 from .privatizer import Privatizer
@@ -222,22 +222,27 @@ class DPOptimizer(torch.optim.Optimizer):
             noise = {**noise, "generator": {k: v for k, v in noise["generator"].items() if k != "seed"}}
         return {"corrnoise": 1, "original": self.original.state_dict(), "noise": noise,
                 "steps_taken": self.steps_taken, "sampler": self._sampler_state(),
-                "calibration": None if self.calibration is None else self.calibration.to_dict()}
+                "calibration": None if self.calibration is None else self.calibration.to_dict(),
+                "mechanism": mechanism_fingerprint(self.strategy)}
 
-    def _resumed_calibration(self, saved: dict[str, Any] | None, saved_noise_std) -> PrivacyResult | None:
+    def _resumed_calibration(self, saved: dict[str, Any] | None, saved_noise_std,
+                             same_mechanism: bool) -> PrivacyResult | None:
         """The checkpoint's calibration when this run must adopt it, else None.
 
         A Monte Carlo calibration (balls-in-bins) draws fresh samples, so the same ``epsilon=``
         gives a slightly other verified noise_std in the resumed process; the run must go on with
         the noise its first steps used. That noise is adopted only if its guarantee is one of
-        *this* run: kind guarantee, same mechanism, steps, batching and method, delta and epsilon
-        no larger than this run's calibration. Any other mismatch is refused."""
+        *this* run: the same mechanism (``same_mechanism``: the checkpoint's fingerprint of C
+        matched, see :meth:`load_state_dict`), kind guarantee, same steps, batching and method,
+        delta and epsilon no larger than this run's calibration. Any other mismatch is refused."""
         if saved_noise_std is None or math.isclose(float(saved_noise_std), self.noise_std, rel_tol=1e-12, abs_tol=0.0):
             return None
         mine = self.calibration
         why = "this run's noise was given (noise_std, noise_multiplier or guarantee), not calibrated" if mine is None \
             or mine.method != "mc" else None
         result = None
+        if why is None and not same_mechanism:
+            why = "the checkpoint does not identify its mechanism (saved before fingerprints)"
         if why is None:
             if not isinstance(saved, dict):
                 why = "the checkpoint stores no calibration"
@@ -265,6 +270,10 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_std and guarantee (:meth:`_resumed_calibration`)."""
         if not isinstance(state, dict) or state.get("corrnoise") != 1:
             raise CorrnoiseError("state", "not a checkpoint of a corrnoise DPOptimizer")
+        saved_mechanism = state.get("mechanism")
+        if saved_mechanism is not None and saved_mechanism != mechanism_fingerprint(self.strategy):
+            raise CorrnoiseError("mechanism", "differs from the checkpoint's (another C: its noise rows and its "
+                                 "guarantee are not this run's); resume with the checkpoint's mechanism")
         mine, saved = self._sampler_state(), state.get("sampler")
         if mine != saved:
             diff = sorted(k for k in set(saved or {}) | set(mine or {}) if (saved or {}).get(k) != (mine or {}).get(k))
@@ -283,7 +292,8 @@ class DPOptimizer(torch.optim.Optimizer):
                                  "make_private (a fresh seed would restart the noise stream mid-run)")
         noise["generator"] = generator
         steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
-        calibration = self._resumed_calibration(state.get("calibration"), generator.get("noise_std"))
+        calibration = self._resumed_calibration(state.get("calibration"), generator.get("noise_std"),
+                                                saved_mechanism is not None)
         previous = self.privatizer.noise_std
         if calibration is not None:
             self.privatizer.adopt_noise_std(calibration.noise_std)

@@ -278,7 +278,9 @@ def mmcc_epsilon(
             worst = best
     assert worst is not None
     eps_raw, info = worst
-    eps = min(eps_raw, eps_unamp)
+    # the smaller of the two; but a lower bound whose grids gave up (inf) is the trivial 0: the
+    # unamplified upper bound must not stand in for it
+    eps = 0.0 if lower_bound and not math.isfinite(eps_raw) else min(eps_raw, eps_unamp)
     extras = {
         **info,
         "epsilon_mmcc": float(eps_raw),

@@ -227,35 +227,95 @@ def _plain_rnn_kernels(module: nn.Module):
         yield
 
 
+_RANDOM_MESSAGE = ("draws random numbers in its forward (dropout inside it?), which per-example clipping cannot "
+                   "replay; set that dropout to 0 (dropout outside the layer is fine)")
+
+
+def _input_dims(module: nn.Module, args, kwargs, leaves) -> list[int]:
+    """Per input leaf, the dimension that carries the batch: 0, except an RNN's initial state hx
+    ((layers, B, hidden) even with batch_first=True) on 1; -1 for inputs shared by every example
+    (MultiheadAttention's 2-D attn_mask (L, S), whatever L is)."""
+    special: dict[int, int] = {}
+    if isinstance(module, nn.RNNBase):
+        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        special = {id(t): 1 for t in tree_flatten(hx)[0] if isinstance(t, torch.Tensor)}
+    elif isinstance(module, nn.MultiheadAttention):
+        mask = args[5] if len(args) > 5 else kwargs.get("attn_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            special = {id(mask): -1}
+    return [special.get(id(v), 0) for v in leaves]
+
+
+@contextlib.contextmanager
+def _rng_untouched(module: nn.Module):
+    """The re-runs leave torch's random state as they found it, and a layer that draws random numbers
+    (its draws would differ from the forward's: dropout) is refused instead of giving wrong gradients."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+        drew = not torch.equal(torch.get_rng_state(), cpu) or (
+            cuda is not None and any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda)))
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+    if drew:
+        raise CorrnoiseError("module", f"{type(module).__name__} {_RANDOM_MESSAGE}")
+
+
 def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
     """Any other layer: per-example vjp of the layer alone with torch.func.
 
     Re-runs the layer's forward on each example's captured input (with a batch dimension of 1)
     as a function of its own parameters and pulls back that example's grad output; only this
-    layer's per-example gradients are materialized. Tensor arguments whose first dimension is
-    the batch size are mapped over, others are shared; an output may carry the batch on any one
-    dimension (found against one example's output). ``grad_outs[k]`` is None for an output the
-    loss did not use (zero cotangent).
+    layer's per-example gradients are materialized. Tensor arguments with the batch size on their
+    batch dimension (:func:`_input_dims`) are mapped over, others are shared; an output may carry
+    the batch on any one dimension (found against one example's output). ``grad_outs[k]`` is None
+    for an output the loss did not use (zero cotangent). Buffers are copied for every re-run, so
+    a layer that updates them in forward keeps its own state.
     vmap maps over the examples; an operation vmap has no rule for (the fused RNN cells, for
     one) falls back to a loop over the examples (same gradients, B vjps). The layer must be
     deterministic: one that draws random numbers (dropout inside it) is refused, since the
-    re-run would draw another mask than the forward did.
+    re-run would draw another mask than the forward did. A failure of torch.func is reported
+    as a one-line error naming the layer.
     """
+    try:
+        with _plain_rnn_kernels(module), _rng_untouched(module):
+            return _fallback(module, args, kwargs, grad_outs, dtype, names)
+    except RuntimeError as exc:
+        if "randomness" in str(exc):
+            raise CorrnoiseError("module", f"{type(module).__name__} {_RANDOM_MESSAGE}") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorrnoiseError("module", f"{type(module).__name__}: per-example gradients by torch.func failed ({first}); "
+                             "register a rule for it with register_layer") from None
+
+
+def _fallback(module, args, kwargs, grad_outs, dtype, names):
     if names is None:
         names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
     params = {n: module.get_parameter(n).detach().to(dtype) for n in names}
+    buffers = dict(module.named_buffers())
     b = call_batch_size(module, args, kwargs)
     used = [g is not None for g in grad_outs]
     leaves, spec = tree_flatten((args, kwargs))
-    mapped = [isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b for v in leaves]
+    if any(isinstance(v, nn.utils.rnn.PackedSequence) for v in leaves) or any(
+            isinstance(v, nn.utils.rnn.PackedSequence) for v in (list(args) + list(kwargs.values()))):
+        raise CorrnoiseError("module", f"{type(module).__name__} got a PackedSequence, which per-example clipping "
+                             "cannot split by example; pass the padded batch (batch_first=True) instead")
+    in_dims = _input_dims(module, args, kwargs, leaves)
+    mapped = [isinstance(v, torch.Tensor) and d >= 0 and v.dim() > d and v.shape[d] == b
+              for v, d in zip(leaves, in_dims)]
     batched = [v.to(dtype) if m and v.is_floating_point() else v for v, m in zip(leaves, mapped)]
     bleaves = [v for v, m in zip(batched, mapped) if m]
+    bdims = [d for d, m in zip(in_dims, mapped) if m]
 
     def outputs(p, bl):
-        it = iter(bl)
-        full = [next(it).unsqueeze(0) if m else v for v, m in zip(batched, mapped)]
+        it, it_d = iter(bl), iter(bdims)
+        full = [next(it).unsqueeze(next(it_d)) if m else v for v, m in zip(batched, mapped)]
         a, kw = tree_unflatten(full, spec)
-        out = functional_call(module, p, tuple(a), dict(kw), strict=False)
+        state = {**p, **{n: t.clone() for n, t in buffers.items()}}
+        out = functional_call(module, state, tuple(a), dict(kw), strict=False)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if len(outs) != len(used):
             raise CorrnoiseError("module", f"{type(module).__name__} returned {len(outs)} tensors on one example but "
@@ -265,7 +325,7 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
     # where each used output carries the batch: compare with one example's output (h_n of an
     # RNN is (layers, B, hidden) even with batch_first=True)
     with torch.no_grad():
-        probe = outputs(params, [v[0] for v in bleaves])
+        probe = outputs(params, [v.select(d, 0) for v, d in zip(bleaves, bdims)])
     dims = []
     for g, o in zip(grad_outs, probe):
         if g is None:
@@ -284,18 +344,15 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
         cots = tuple(next(it_g).unsqueeze(next(it_d)) if u else torch.zeros_like(o) for o, u in zip(outs, used))
         return pull(cots)[0]
 
-    with _plain_rnn_kernels(module):
-        try:
-            grads = vmap(one, in_dims=(None, 0, list(dims)), randomness="error")(params, bleaves, cot)
-        except RuntimeError as exc:
-            if "randomness" in str(exc):
-                raise CorrnoiseError(
-                    "module", f"{type(module).__name__} draws random numbers in its forward (dropout inside it?), "
-                    "which per-example clipping cannot replay; set that dropout to 0 (dropout outside the layer is "
-                    "fine)") from None
-            # no batching rule for some operation (the fused RNN kernels): one example at a time
-            per = [one(params, [v[i] for v in bleaves], [g.select(d, i) for g, d in zip(cot, dims)]) for i in range(b)]
-            grads = {n: torch.stack([r[n] for r in per]) for n in names}
+    try:
+        grads = vmap(one, in_dims=(None, list(bdims), list(dims)), randomness="error")(params, bleaves, cot)
+    except RuntimeError as exc:
+        if "randomness" in str(exc):
+            raise
+        # no batching rule for some operation (the fused RNN kernels): one example at a time
+        per = [one(params, [v.select(d, i) for v, d in zip(bleaves, bdims)], [g.select(d, i) for g, d in zip(cot, dims)])
+               for i in range(b)]
+        grads = {n: torch.stack([r[n] for r in per]) for n in names}
     return {n: [grads[n]] for n in names}
 
 
