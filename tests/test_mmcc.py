@@ -417,3 +417,13 @@ def test_a_lower_bound_whose_grids_give_up_is_the_trivial_zero_not_the_upper_bou
 
     lower = M.mmcc_epsilon(parse_strategy("bsr:4", 16).matrix(), None, 0.1, 1e-3, 1e-5, lower_bound=True)
     assert lower.kind == "lower_bound" and lower.epsilon == 0.0
+
+
+def test_the_p_equals_p_reference_under_block_cyclic_sampling_is_an_estimate_not_a_lower_bound():
+    """With row groups (blocks > 1) the p~ = p composition can exceed the unamplified guarantee, so it
+    is no lower bound there: the found case (hypothesis) is labelled an estimate."""
+    c = random_lower(4, 1)
+    reference = M.mmcc_epsilon(c, None, 0.9, 0.7, 1e-5, blocks=2, lower_bound=True)
+    assert reference.extras["epsilon_mmcc"] > reference.extras["epsilon_unamplified_guarantee"]
+    assert reference.kind == "estimate"
+    assert M.mmcc_epsilon(c, None, 0.9, 0.7, 1e-5, lower_bound=True).kind == "lower_bound"

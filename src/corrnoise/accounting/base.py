@@ -55,8 +55,9 @@ __all__ = [
 # Results
 # ----------------------------------------------------------------------------------------------
 #: What a :class:`PrivacyResult` is: a formal (epsilon, delta) ``guarantee``; an informal Monte
-#: Carlo ``estimate`` (seed 000 Sec. 2, unverified); a ``lower_bound`` on epsilon (MMCC with
-#: p~ = p, seed 001), which shows how tight an analysis is but guarantees nothing.
+#: Carlo ``estimate`` (seed 000 Sec. 2, unverified; also MMCC's p~ = p reference under block-cyclic
+#: sampling, see :func:`corrnoise.accounting.mmcc.driver._reference_kind`); a ``lower_bound`` on
+#: epsilon (plain MMCC with p~ = p, seed 001), which shows how tight an analysis is but guarantees nothing.
 RESULT_KINDS = ("guarantee", "estimate", "lower_bound")
 
 
@@ -120,9 +121,10 @@ def require_guarantee(result: PrivacyResult, use: str) -> PrivacyResult:
     lower bound.  ``use`` says what needed it (``calibrate``, ``training`` ...)."""
     if result.kind == "guarantee":
         return result
-    fix = ("drop estimate=True (Monte Carlo results are verified by default)" if result.kind == "estimate"
-           else "drop lower_bound=True")
-    param = "estimate" if result.kind == "estimate" else "lower_bound"
+    reference = result.method == "mmcc-lower"  # MMCC's p~ = p reference (a lower bound, or an estimate)
+    fix = ("drop lower_bound=True" if reference
+           else "drop estimate=True (Monte Carlo results are verified by default)")
+    param = "lower_bound" if reference else "estimate"
     raise CorrnoiseError(param, f"{use} needs a formal (epsilon, delta) guarantee, but {result.method} gave "
                          f"{'an' if result.kind == 'estimate' else 'a'} {result.kind.replace('_', ' ')} "
                          f"(epsilon {result.epsilon:.4g}); {fix}")
