@@ -231,3 +231,29 @@ def test_balls_in_bins_pipeline_amplifies_dpsgd():
     assert rec.kind == "guarantee" and rec.final
     unamplified = next(c for c in result.candidates if c.batching == "none")
     assert rec.noise_std < 0.8 * unamplified.noise_std
+
+
+def test_a_screened_candidate_within_the_screening_noise_of_the_best_final_is_finalized_too(monkeypatch):
+    """The pick among near-ties must not hang on screening noise: a screened (non-final) rival within
+    SCREEN_NOISE_MARGIN of the best final candidate is finalized before the choice."""
+    from corrnoise.planner import best_final
+    from corrnoise.planner import core
+
+    planned = plan(dataset_size=2000, batch_size=100, epochs=2, epsilon=4.0, delta=1e-5, only=("dpsgd", "bandmf"),
+                   pipeline="poisson")
+    finals = sorted((c for c in planned.candidates if c.final and c.feasible), key=lambda c: c.rms_error)
+    screened = [c for c in planned.candidates if not c.final and c.feasible and c.calibrated]
+    assert finals and screened
+    best, rival = finals[0], screened[0]
+    rival.rms_error = best.rms_error * (1.0 + core.SCREEN_NOISE_MARGIN / 2)  # a near-tie, not yet final
+    finalized = []
+    real = core.finalize_candidate
+
+    def spy(cand, setup):
+        finalized.append(cand)
+        return real(cand, setup)
+
+    monkeypatch.setattr(core, "finalize_candidate", spy)
+    chosen = best_final(planned.candidates, planned.setup)
+    assert rival in finalized and rival.final
+    assert chosen.final and chosen.rms_error == min(c.rms_error for c in planned.candidates if c.final and c.feasible)

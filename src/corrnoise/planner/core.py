@@ -65,7 +65,7 @@ from typing import Any, Callable, Iterable
 from ..errors import CorrnoiseError, check_int
 from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, FAMILIES, FINAL_MC_SAMPLES, MAX_DENSE_N, MAX_FINALIZE,
                         MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES, SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES,
-                        SCREEN_MC_TAU)
+                        SCREEN_MC_TAU, SCREEN_NOISE_MARGIN)
 from .designs import _batching_spec, _designs, _errors
 from .setup import PlanSetup, make_setup
 
@@ -324,7 +324,9 @@ def best_final(candidates: list[Candidate], setup: PlanSetup, keep: Callable[[Ca
                choose: Callable[[list[Candidate]], Candidate] | None = None) -> Candidate | None:
     """The best candidate among those ``keep`` accepts, with its final guarantee: the best screened
     one (``choose``, default the lowest rms_error) is re-calibrated with the full guarantee until
-    the best is final (finalizing can raise a candidate's rms_error or rule it out). None when no
+    the best is final (finalizing can raise a candidate's rms_error or rule it out) and no screened
+    candidate lies within ``SCREEN_NOISE_MARGIN`` of it (at most ``MAX_FINALIZE`` re-calibrations;
+    then the best final one). None when no
     accepted candidate gets a final guarantee. The planner uses it for the recommendation;
     benchmarks that train the best of every family call it per family."""
     choose = choose or (lambda pool: min(pool, key=_rank_key))
@@ -334,7 +336,10 @@ def best_final(candidates: list[Candidate], setup: PlanSetup, keep: Callable[[Ca
             return None
         best = choose(pool)
         if best.final:
-            return best
+            rivals = [c for c in pool if not c.final and c.rms_error <= best.rms_error * (1.0 + SCREEN_NOISE_MARGIN)]
+            if not rivals:
+                return best
+            best = min(rivals, key=_rank_key)  # within the screening noise: finalize it before choosing
         finalize_candidate(best, setup)
     pool = [c for c in candidates if keep(c) and c.feasible and c.calibrated and c.final]
     return choose(pool) if pool else None
