@@ -451,13 +451,19 @@ def test_cells_called_repeatedly_with_dependent_outputs_are_exact():
 
 
 class _Attention(nn.Module):
-    def __init__(self):
+    """Self-attention whose weights output (need_weights=True) the loss does not use; ``causal``:
+    with a 2-D (L, S) attn_mask, shared by every example even when L == B."""
+
+    def __init__(self, causal=False):
         super().__init__()
         self.att = nn.MultiheadAttention(4, 2, batch_first=True)
         self.head = nn.Linear(4, 2)
+        self.causal = causal
 
     def forward(self, x):
-        out, _weights = self.att(x, x, x)  # need_weights=True: an output the loss does not use
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1) if self.causal else None
+        out, _weights = self.att(x, x, x, attn_mask=mask)
         return self.head(out.mean(1))
 
 
@@ -541,21 +547,8 @@ def test_rnn_initial_state_is_split_on_its_batch_dimension(layers, batch):
     _check_against_loop(_RecurrentWithState(layers), torch.randn(batch, 4, 3), torch.randint(0, 2, (batch,)))
 
 
-class _MaskedAttention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        t = x.shape[1]
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)  # (L, S): shared, even when L == B
-        out, _ = self.att(x, x, x, attn_mask=mask)
-        return self.head(out.mean(1))
-
-
 def test_a_2d_attention_mask_is_shared_even_when_its_length_equals_the_batch():
-    _check_against_loop(_MaskedAttention(), torch.randn(4, 4, 4), torch.randint(0, 2, (4,)))
+    _check_against_loop(_Attention(causal=True), torch.randn(4, 4, 4), torch.randint(0, 2, (4,)))
 
 
 def test_dropout_inside_an_rnn_is_refused_in_training():

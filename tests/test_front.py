@@ -28,6 +28,14 @@ def _mlp(d=8, classes=3):
     return nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, classes))
 
 
+def _one_step(model, opt, loader):
+    """One private step on the loader's first batch."""
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_tutorial_loop_needs_one_added_statement_and_trains():
     train_set = _data(256)
     model = _mlp()
@@ -243,11 +251,7 @@ def test_checkpoint_resumes_the_same_noise_stream_only_with_the_seed():
                             max_grad_norm=0.7, mechanism="bsr:2", batching="cyclic", noise_seed=noise_seed, seed=2)
 
     model, opt, loader = build(model, opt, 11)
-    for x, y in loader:
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        break
+    _one_step(model, opt, loader)
     state = opt.state_dict()
     assert "seed" not in state["noise"]["generator"]
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -440,11 +444,7 @@ def _bib_run(epsilon=6.0, delta=1e-3):
 
 def test_balls_in_bins_run_resumes_with_the_checkpoints_verified_noise():
     model, opt, loader = _bib_run()
-    for x, y in loader:
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        break
+    _one_step(model, opt, loader)
     state = opt.state_dict()
     m2, o2, _ = _bib_run()  # a fresh Monte Carlo calibration: another verified noise_std
     assert o2.noise_std != opt.noise_std

@@ -53,8 +53,10 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
                        batch_size=batch_size, steps=steps, max_buffers=max_buffers, only=only, pipeline=pipeline)
     if mechanism_file is None and out_dir is None:
         mechanism_file = "plan-recommended.json"
-    elif mechanism_file is not None and not str(mechanism_file).endswith(".json"):
-        raise CorrnoiseError("mechanism_file", f"mechanism files end in .json, got {mechanism_file!r}")
+    elif mechanism_file is not None:  # fail before planning, not after it
+        from ..strategies.io import check_mechanism_path
+
+        check_mechanism_path(mechanism_file, "mechanism_file")
     show = not as_json and sys.stdout.isatty()
     if show:
         result = _with_progress(setup, out_dir, mechanism_file)

@@ -61,13 +61,13 @@ def _progress_bar(enabled: bool):
 def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_size, lr, optimizer, momentum, clip_norm,
                   physical_batch_size, device, seed, noise_seed, compare, plot, as_json):
     """Private training on DATASET with MECHANISM at (EPSILON, DELTA) for your data pipeline."""
-    from ..errors import CorrnoiseError
+    from ..errors import CorrnoiseError, check_int
     from ..training import train
 
     if plot is not None and not str(plot).lower().endswith(".png"):
         raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
-    if physical_batch_size is not None and physical_batch_size < 1:
-        raise CorrnoiseError("physical_batch_size", f"must be >= 1, got {physical_batch_size}")
+    if physical_batch_size is not None:  # named as the option, before the library names it max_physical_batch_size
+        check_int("physical_batch_size", physical_batch_size, minimum=1)
     if compare is not None and not compare.strip():
         raise CorrnoiseError("compare", "names a second mechanism to train beside the first; got an empty name")
     bar, report = _progress_bar(not as_json and sys.stderr.isatty())

@@ -24,6 +24,14 @@ FORMAT = "corrnoise.mechanism"
 VERSION = 1
 
 
+def check_mechanism_path(path: str | Path, param: str = "out") -> Path:
+    """``path`` as a Path if it names a mechanism file (``.json``), else a one-line error naming ``param``."""
+    path = Path(path)
+    if path.suffix != ".json":
+        raise CorrnoiseError(param, f"mechanism files end in .json, got {str(path)!r}")
+    return path
+
+
 def save_mechanism(
     strategy: Strategy,
     path: str | Path,
@@ -31,9 +39,7 @@ def save_mechanism(
     losses: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``strategy`` to ``path`` (.json) and, when it has large arrays, ``path.stem + .npz``."""
-    path = Path(path)
-    if path.suffix != ".json":
-        raise CorrnoiseError("out", f"mechanism files end in .json, got {str(path)!r}")
+    path = check_mechanism_path(path)
     base = strategy.base if isinstance(strategy, ColumnNormalized) else strategy
     arrays = base.arrays()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,11 +120,11 @@ def load_mechanism(path: str | Path, n: int | None = None) -> Strategy:
         raise CorrnoiseError("mechanism", f"{where!r}: 'column_normalized' must be true or false, got {normalized!r}")
     try:
         strategy = kind_class(doc["kind"]).from_params(steps, params, arrays)
+    except CorrnoiseError:
+        raise
     except KeyError as exc:
         raise CorrnoiseError("mechanism", f"{where!r}: missing entry {exc.args[0]!r} for kind {doc['kind']!r}") from None
     except (TypeError, ValueError, IndexError) as exc:
-        if isinstance(exc, CorrnoiseError):
-            raise
         raise CorrnoiseError("mechanism", f"{where!r}: malformed parameters for kind {doc['kind']!r} ({exc})") from None
     if n is not None:
         strategy = strategy.with_n(n)
@@ -146,7 +152,7 @@ def _check_params(params: Any, where: str) -> None:
             if not isinstance(value, str):
                 raise CorrnoiseError("mechanism", f"{where!r}: parameter {key!r} must be a string, got {value!r}")
         elif key in _INTEGER_PARAMS:
-            if isinstance(value, float) or not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, int) or isinstance(value, bool):
                 raise CorrnoiseError("mechanism", f"{where!r}: parameter {key!r} must be an integer, got {value!r}")
         elif not _numbers(value):
             raise CorrnoiseError("mechanism", f"{where!r}: parameter {key!r} must be a number or a list of numbers, "

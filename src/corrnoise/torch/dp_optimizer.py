@@ -250,7 +250,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 result = PrivacyResult.from_dict(saved)
                 why = _same_run(result, mine)
                 if why is not None:
-                    why = f"the checkpoint's calibration is for {why}"
+                    why = f"the checkpoint's calibration was computed for {why}"
                 elif result.kind != "guarantee":
                     why = f"the checkpoint's calibration is of kind {result.kind!r}"
                 elif not math.isclose(result.noise_std, float(saved_noise_std), rel_tol=1e-12, abs_tol=0.0):
@@ -310,25 +310,35 @@ class DPOptimizer(torch.optim.Optimizer):
         self.context.current_step = None
 
 
-def _same_run(result: PrivacyResult, reference: PrivacyResult) -> str | None:
-    """The first of mechanism, steps, batching, method in which two calibrations differ (None: same run)."""
-    for key in ("mechanism", "n", "batching"):
-        if result.extras.get(key) != reference.extras.get(key):
-            return f"{key} {result.extras.get(key)!r} (this run: {reference.extras.get(key)!r})"
-    if result.method != reference.method:
-        return f"accounting method {result.method!r} (this run: {reference.method!r})"
+#: what a privacy result says it accounted (in its extras): a result is of this run iff all match
+_RUN_KEYS = ("mechanism", "n", "batching")
+
+
+def _run_mismatch(result: PrivacyResult, mine: dict[str, Any]) -> str | None:
+    """The first of :data:`_RUN_KEYS` in which ``result`` was computed for another run than ``mine``
+    ("KEY = THEIRS, this run has MINE"), or None."""
+    for key in _RUN_KEYS:
+        if result.extras.get(key) != mine.get(key):
+            return f"{key} = {result.extras.get(key)!r}, this run has {mine.get(key)!r}"
     return None
+
+
+def _same_run(result: PrivacyResult, reference: PrivacyResult) -> str | None:
+    """Where two calibrations differ in run (:func:`_run_mismatch`) or accounting method (None: same run)."""
+    why = _run_mismatch(result, reference.extras)
+    if why is None and result.method != reference.method:
+        why = f"accounting method = {result.method!r}, this run has {reference.method!r}"
+    return why
 
 
 def _matching_guarantee(guarantee: PrivacyResult, agreement, delta: float) -> PrivacyResult:
     """``guarantee`` if it is the accounting of exactly this run (mechanism, steps, batching,
     delta), else a one-line error naming what differs."""
     event = agreement.event
-    mine = {"mechanism": event.mechanism.label, "n": int(event.mechanism.n), "batching": agreement.batching.spec}
-    for key, value in mine.items():
-        theirs = guarantee.extras.get(key)
-        if theirs != value:
-            raise CorrnoiseError("guarantee", f"was computed for {key} = {theirs!r}, this run has {value!r}")
+    why = _run_mismatch(guarantee, {"mechanism": event.mechanism.label, "n": int(event.mechanism.n),
+                                    "batching": agreement.batching.spec})
+    if why is not None:
+        raise CorrnoiseError("guarantee", f"was computed for {why}")
     if guarantee.delta > delta:
         raise CorrnoiseError("guarantee", f"has delta {guarantee.delta:g} > the run's delta {delta:g}")
     return guarantee

@@ -262,14 +262,12 @@ def make_sampler(
         steps = max(1, int(round(check_real("epochs", epochs, low=0.0, low_open=True) * n_ex / b)))
     if sampling == "poisson":
         return PoissonSampler(n_ex, b / n_ex, steps, seed=seed)
-    if sampling == "block-cyclic":
-        blocks = max(1, strategy_bands)
-        p = b * blocks / n_ex
-        if p > 1.0:
-            raise CorrnoiseError("batch_size", f"block-cyclic sampling with {blocks} blocks of ~{n_ex // blocks} "
-                                 f"examples cannot give batches of {b}; use a smaller batch or fewer bands")
-        return BlockCyclicPoissonSampler(n_ex, blocks, p, steps, seed=seed)
-    raise AssertionError(sampling)  # pragma: no cover - every name of SAMPLINGS is handled above
+    blocks = max(1, strategy_bands)  # block-cyclic, the last name of SAMPLINGS
+    p = b * blocks / n_ex
+    if p > 1.0:
+        raise CorrnoiseError("batch_size", f"block-cyclic sampling with {blocks} blocks of ~{n_ex // blocks} "
+                             f"examples cannot give batches of {b}; use a smaller batch or fewer bands")
+    return BlockCyclicPoissonSampler(n_ex, blocks, p, steps, seed=seed)
 
 
 def _parse_mechanism(mechanism: str, steps: int) -> Strategy:

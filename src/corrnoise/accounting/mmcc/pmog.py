@@ -37,6 +37,12 @@ def _choose_sensitivity_step(c: np.ndarray, q: np.ndarray, noise_std: float, tol
     return 2.0 ** e
 
 
+def _grid_points(c, s_step: float) -> float:
+    """Points of the sensitivity grid for entries c rounded up to multiples of s_step (in float:
+    no int64 overflow at vanishing steps)."""
+    return float(np.ceil(np.asarray(c, dtype=np.float64) / s_step).sum())
+
+
 def sensitivity_pmf(c: np.ndarray, q: np.ndarray, s_step: float, tail: float = _TAIL) -> tuple[np.ndarray, float]:
     """PMF of S = sum_j c_j Bernoulli(q_j) on the grid s_step * k, entries rounded up (Lemma B.4).
 
@@ -44,11 +50,11 @@ def sensitivity_pmf(c: np.ndarray, q: np.ndarray, s_step: float, tail: float = _
     ``tail`` quantile; returns (w, lost) with w[k] = Pr[S~ = k s_step, S~ <= cap] and
     lost = Pr[S~ > cap] (to be treated as infinite privacy loss).
     """
-    ratio = np.ceil(np.asarray(c, dtype=np.float64) / s_step)
-    if not float(ratio.sum()) <= _MAX_GRID_POINTS:
-        raise CorrnoiseError("s_step", f"{s_step:g} puts {float(ratio.sum()):.3g} points on the sensitivity grid "
+    points = _grid_points(c, s_step)
+    if not points <= _MAX_GRID_POINTS:
+        raise CorrnoiseError("s_step", f"{s_step:g} puts {points:.3g} points on the sensitivity grid "
                              f"(at most {_MAX_GRID_POINTS}); use a coarser step")
-    k = ratio.astype(np.int64)
+    k = np.ceil(np.asarray(c, dtype=np.float64) / s_step).astype(np.int64)
     q = np.asarray(q, dtype=np.float64)
     keep = (k > 0) & (q > 0.0)
     k, q = k[keep], q[keep]
@@ -181,7 +187,7 @@ def pmog_pld(
         return zero, zero
     if s_step is None:
         s_step = _choose_sensitivity_step(c, q, nu, sensitivity_tolerance)
-    if not float(np.ceil(c / s_step).sum()) <= _MAX_GRID_POINTS:
+    if not _grid_points(c, s_step) <= _MAX_GRID_POINTS:
         # noise far below the sensitivities: the grid of S would not fit in memory. No MMCC bound
         # then -- every loss counts as infinite (delta(eps) = 1 for all eps, trivially valid), so
         # the caller's unamplified analysis is what stands.
