@@ -2,10 +2,12 @@
 
 :class:`ClippingEngine` (engine.py) hooks a model, and after the user's one ``loss.backward()``
 returns the clipped per-example gradient sum and per-example norms. Per-layer rules are in
-layers.py (extend with :func:`register_layer`), the formulas in formulas.py.
+layers.py (extend with :func:`register_layer`), the rule for nn.LSTM / nn.GRU / nn.RNN in
+recurrent.py, the formulas in formulas.py.
 """
 
 from .engine import OPAQUE_TYPES, ClippingEngine
 from .layers import LAYER_HANDLERS, is_conv1d_like, register_layer
+from .recurrent import recurrent_handler  # registers the nn.LSTM / nn.GRU / nn.RNN rule
 
-__all__ = ["ClippingEngine", "LAYER_HANDLERS", "OPAQUE_TYPES", "is_conv1d_like", "register_layer"]
+__all__ = ["ClippingEngine", "LAYER_HANDLERS", "OPAQUE_TYPES", "is_conv1d_like", "recurrent_handler", "register_layer"]
