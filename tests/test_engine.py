@@ -424,9 +424,19 @@ class _RecurrentHead(nn.Module):
         return self.head(h[-1] + out[:, 0])
 
 
+@pytest.fixture(params=["rule", "fallback"])
+def rnn_path(request, monkeypatch):
+    """Recurrent layers through their rule (clipping/recurrent.py) and, without it, the torch.func fallback
+    (which still serves the cases the rule leaves to it: projections, PackedSequence, ...)."""
+    if request.param == "fallback":
+        for cls in (nn.LSTM, nn.GRU, nn.RNN):
+            monkeypatch.delitem(LAYER_HANDLERS, cls)
+    return request.param
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_recurrent_layers_fall_back_exactly(cls, layers):
+def test_recurrent_layers_are_exact(cls, layers, rnn_path):
     _check_against_loop(_RecurrentHead(cls, layers), torch.randn(5, 4, 3), torch.randint(0, 2, (5,)))
 
 
@@ -543,7 +553,7 @@ class _RecurrentWithState(nn.Module):
 
 
 @pytest.mark.parametrize("layers, batch", [(1, 4), (2, 2), (1, 1)])
-def test_rnn_initial_state_is_split_on_its_batch_dimension(layers, batch):
+def test_rnn_initial_state_is_split_on_its_batch_dimension(layers, batch, rnn_path):
     _check_against_loop(_RecurrentWithState(layers), torch.randn(batch, 4, 3), torch.randint(0, 2, (batch,)))
 
 
