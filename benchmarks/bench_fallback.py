@@ -1,19 +1,24 @@
-"""Cost of the clipping engine's torch.func fallback on layers without a rule (README: recurrent
-layers, MultiheadAttention): one backward + clipped_sum vs a plain forward+backward.
+"""Cost of the clipping engine on layers without a generic rule: one backward + clipped_sum vs a
+plain forward+backward. MultiheadAttention goes through the torch.func fallback; LSTM/GRU through
+their own rule (clipping/recurrent.py) and, for comparison, through the fallback they used before
+that rule existed (one vjp per example; ``--no-fallback`` skips these slow rows).
 
-    PYTHONPATH=src python benchmarks/bench_fallback.py [--reps 10] [--threads 2]
+    PYTHONPATH=src python benchmarks/bench_fallback.py [--reps 10] [--threads 2] [--no-fallback]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import warnings
 
 import torch
 from torch import nn
 
-from corrnoise.torch.clipping import ClippingEngine
+from corrnoise.torch.clipping import LAYER_HANDLERS, ClippingEngine
+
+_RECURRENT = (nn.LSTM, nn.GRU, nn.RNN)
 
 
 class _Recurrent(nn.Module):
@@ -37,8 +42,19 @@ class _Attention(nn.Module):
         return self.head(out.mean(1))
 
 
-def _median_ms(model, x, y, private: bool, reps: int) -> float:
-    engine = ClippingEngine(model, max_grad_norm=1.0) if private else None
+@contextlib.contextmanager
+def _without_recurrent_rule(active: bool):
+    """While active, engines built see no rule for LSTM/GRU/RNN (they get the torch.func fallback)."""
+    saved = {c: LAYER_HANDLERS.pop(c) for c in _RECURRENT if active and c in LAYER_HANDLERS}
+    try:
+        yield
+    finally:
+        LAYER_HANDLERS.update(saved)
+
+
+def _median_ms(model, x, y, private: bool, reps: int, fallback: bool = False) -> float:
+    with _without_recurrent_rule(fallback):
+        engine = ClippingEngine(model, max_grad_norm=1.0) if private else None
     times = []
     for _ in range(reps + 2):
         t0 = time.perf_counter()
@@ -58,18 +74,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-fallback", action="store_true", help="skip LSTM/GRU through the fallback (slow)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x, y = torch.randint(0, 100, (64, 20)), torch.randint(0, 2, (64,))
-    print("| model (batch 64 x 20 tokens) | plain ms | clipped ms | x plain |")
-    print("|---|---:|---:|---:|")
-    for name, build in (("LSTM 32->64", lambda: _Recurrent(nn.LSTM)), ("GRU 32->64", lambda: _Recurrent(nn.GRU)),
-                        ("MultiheadAttention 64, 4 heads", _Attention)):
+    print("| model (batch 64 x 20 tokens) | path | plain ms | clipped ms | x plain |")
+    print("|---|---|---:|---:|---:|")
+    cases = [("LSTM 32->64", lambda: _Recurrent(nn.LSTM), "rule"), ("LSTM 32->64", lambda: _Recurrent(nn.LSTM), "fallback"),
+             ("GRU 32->64", lambda: _Recurrent(nn.GRU), "rule"), ("GRU 32->64", lambda: _Recurrent(nn.GRU), "fallback"),
+             ("MultiheadAttention 64, 4 heads", _Attention, "fallback")]
+    for name, build, path in cases:
+        if args.no_fallback and path == "fallback" and "Attention" not in name:
+            continue
         plain = _median_ms(build(), x, y, False, args.reps)
-        clipped = _median_ms(build(), x, y, True, args.reps)
-        print(f"| {name} | {plain:.1f} | {clipped:.1f} | {clipped / plain:.1f} |")
+        clipped = _median_ms(build(), x, y, True, args.reps, fallback=path == "fallback")
+        print(f"| {name} | {path} | {plain:.1f} | {clipped:.1f} | {clipped / plain:.1f} |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ Lookup (:func:`handler_for`): the exact type in :data:`LAYER_HANDLERS` (extend i
 :func:`register_layer`; subclasses are not matched since they may override ``forward``), then the
 duck-typed transformers ``Conv1D`` rule (class named ``Conv1D`` with a 2-D ``weight`` of shape
 (d_in, d_out) and y = x @ weight + bias), else the torch.func fallback for that layer alone.
+nn.LSTM / nn.GRU / nn.RNN have their own rule in :mod:`.recurrent` (registered when the package
+is imported), which hands the calls it cannot compute exactly back to :func:`fallback_handler`.
 """
 
 from __future__ import annotations
