@@ -19,6 +19,7 @@ from corrnoise.torch.clipping import ClippingEngine, recurrent_handler
 from corrnoise.torch.clipping import engine as engine_mod
 from corrnoise.torch.clipping import layers as layers_mod
 from corrnoise.torch.clipping.layers import LAYER_HANDLERS, handler_for
+from corrnoise.torch.clipping.recurrent import rule_applies
 
 TIGHT = 1e-9  # float64: the unrolled recurrence and torch's kernels agree to rounding
 
@@ -261,6 +262,31 @@ def test_packed_sequences_are_still_refused(cls, fallback_calls):
     assert "PackedSequence" in str(e.value) and "\n" not in str(e.value)
     assert fallback_calls == [cls.__name__]
     eng.detach()
+
+
+def test_which_calls_the_rule_takes():
+    """rule_applies, call by call: what the rule computes and what it hands to the fallback."""
+    x, h0 = torch.randn(2, 3, 3), torch.zeros(1, 2, 4)
+    lstm, gru = nn.LSTM(3, 4, batch_first=True), nn.GRU(3, 4, batch_first=True)
+    three, two = [torch.ones(2, 3, 4), None, None], [torch.ones(2, 3, 4), None]
+    assert rule_applies(lstm, (x,), {}, three) and rule_applies(lstm, (x, (h0, h0)), {}, three)
+    assert rule_applies(lstm, (), {"input": x, "hx": (h0, h0)}, three)
+    assert rule_applies(gru, (x, h0), {}, two) and rule_applies(gru, (x,), {"hx": h0}, two)
+    assert not rule_applies(lstm, (x[0],), {}, three)  # unbatched
+    assert not rule_applies(lstm, (x, h0), {}, three)  # an LSTM's hx is a pair
+    assert not rule_applies(gru, (x, h0[0]), {}, two)  # unbatched hx
+    assert not rule_applies(gru, (x,), {}, three)  # not one grad output per output
+    assert not rule_applies(nn.GRU(3, 4), (x,), {}, two)  # batch_first=False
+    assert not rule_applies(nn.LSTM(3, 4, proj_size=2, batch_first=True), (x,), {}, three)
+    two_layers = nn.GRU(3, 4, num_layers=2, dropout=0.3, batch_first=True)
+    assert not rule_applies(two_layers, (x,), {}, two) and rule_applies(two_layers.eval(), (x,), {}, two)
+    normed = nn.utils.parametrizations.weight_norm(nn.GRU(3, 4, batch_first=True), "weight_hh_l0")
+    assert not rule_applies(normed, (x,), {}, two)  # a parametrized GRU is a subclass of nn.GRU
+    frozen = nn.GRU(3, 4, batch_first=True)
+    w = frozen.weight_hh_l0.detach().clone()
+    del frozen.weight_hh_l0
+    frozen.register_buffer("weight_hh_l0", w)
+    assert not rule_applies(frozen, (x,), {}, two)  # weight_hh_l0 is no longer a parameter
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])

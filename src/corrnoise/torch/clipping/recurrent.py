@@ -103,12 +103,20 @@ def _call_parts(args, kwargs):
     return x, hx, extra
 
 
+def _parameter_names(module: nn.Module) -> list[str]:
+    """The parameters the rule reads: weight_ih/hh_l{k}[_reverse] and, with bias, bias_ih/hh_l{k}[_reverse]."""
+    kinds = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if module.bias else ())
+    return [f"{kind}_l{layer}{sfx}" for layer in range(module.num_layers)
+            for sfx in ("", "_reverse")[:2 if module.bidirectional else 1] for kind in kinds]
+
+
 def rule_applies(module: nn.Module, args, kwargs, grad_outs) -> bool:
     """Whether :func:`recurrent_handler` computes this call itself (exactly) rather than the fallback.
 
     Needs a plain batch-first 3-D input (no PackedSequence), no projection, no inter-layer
-    dropout in training (its masks cannot be replayed), hx absent or of the batched shape
-    ((layers * directions, B, hidden), a pair for an LSTM) and one grad output per tensor output.
+    dropout in training (its masks cannot be replayed), plain parameters (not parametrized),
+    hx absent or of the batched shape ((layers * directions, B, hidden), a pair for an LSTM) and
+    one grad output per tensor output.
     """
     mode = getattr(module, "mode", None)
     if type(module) not in (nn.LSTM, nn.GRU, nn.RNN) or mode not in _GATES:
@@ -119,6 +127,9 @@ def rule_applies(module: nn.Module, args, kwargs, grad_outs) -> bool:
     if not module.batch_first or getattr(module, "proj_size", 0) > 0:
         return False
     if module.training and module.dropout > 0 and module.num_layers > 1:
+        return False
+    own = dict(module.named_parameters(recurse=False))
+    if not all(n in own for n in _parameter_names(module)):  # a parametrized weight (weight_norm, ...)
         return False
     lstm = mode == "LSTM"
     states = hx if lstm and isinstance(hx, (tuple, list)) else (hx,)
