@@ -159,6 +159,25 @@ def test_rule_when_only_some_parameters_are_trained():
     check_against_loop(model, torch.randn(4, 5, 3))
 
 
+class _Twice(nn.Module):
+    """One GRU called twice (on the sequence and on it reversed): both calls add to its gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        _, h1 = self.rnn(x)
+        out2, _ = self.rnn(x.flip(1), h1)
+        return self.head(torch.cat([h1[-1], out2.mean(1)], dim=1))
+
+
+def test_a_layer_called_twice(rule, fallback_calls):
+    check_against_loop(_Twice(), torch.randn(4, 5, 3))
+    assert fallback_calls == []
+
+
 def test_rule_in_float32():
     torch.set_default_dtype(torch.float32)
     check_against_loop(_Net(nn.LSTM, num_layers=2, bidirectional=True, given_hx=True), torch.randn(6, 7, 3), rtol=1e-4)
