@@ -16,6 +16,7 @@ from .._common import as_lower_triangular, blas_threads, map_ordered, resolve_wo
 from ..base import PrivacyResult
 from .pld import DEFAULT_LOSS_DISCRETIZATION, DiscretePLD, compose_all, pld_delta, pld_epsilon
 from .pmog import DEFAULT_SENSITIVITY_TOLERANCE, pmog_pld
+from .renyi import mixture_rdp_delta, mixture_rdp_epsilon
 from .tails import group_sensitivities, probability_tail_bounds
 
 __all__ = ["mmcc_plds", "mmcc_epsilon", "mmcc_delta", "unamplified_sensitivity"]
@@ -230,12 +231,13 @@ def mmcc_epsilon(
 
     delta = delta_1 (tail bounds) + delta_2 (PLD); the split is the best of ``delta_split``
     candidate fractions delta_1 / delta (a float fixes it).  The reported epsilon is the
-    smaller of MMCC and the unamplified Gaussian mechanism with the schedule's worst
+    smallest of MMCC, the Renyi mixture bound (:mod:`.renyi`: joint convexity over the
+    participation patterns) and the unamplified Gaussian mechanism with the schedule's worst
     participation pattern (every round for Poisson, every round of one block for block-cyclic):
     each is an (eps, delta)-DP guarantee for this mechanism at this delta, so the mechanism is
-    (min, delta)-DP; the extras say which one binds.  ``lower_bound=True`` instead composes the rows as if
-    independent with every p~ = p and all of delta in the PLD (seed 001 "Tightness"): an
-    estimate from below of the true epsilon, for reporting how tight MMCC is -- not a guarantee.
+    (min, delta)-DP; the extras say which one binds (``binding``: mmcc, renyi or unamplified).
+    ``lower_bound=True`` instead composes the rows as if independent with every p~ = p and all of
+    delta in the PLD (seed 001 "Tightness"): an estimate from below of the true epsilon, for reporting how tight MMCC is -- not a guarantee.
     """
     started = time.perf_counter()
     cmat, label = _as_matrix(strategy, n)
@@ -249,6 +251,8 @@ def mmcc_epsilon(
     sens_value = unamplified_sensitivity(cmat, blocks)
     mu = sens_value / noise_std
     eps_unamp = gaussian_epsilon(delta, mu)
+    eps_renyi, renyi_order = (math.inf, float("nan")) if lower_bound else mixture_rdp_epsilon(
+        cmat, p, noise_std, delta, blocks=blocks)
     candidates = _split_candidates(delta_split)
     kw = dict(blocks=blocks, loss_discretization=loss_discretization, sensitivity_tolerance=sensitivity_tolerance,
               workers=workers, dedupe=dedupe, progress=progress)
@@ -280,14 +284,15 @@ def mmcc_epsilon(
     eps_raw, info = worst
     # the smaller of the two; but a lower bound whose grids gave up (inf) is the trivial 0: the
     # unamplified upper bound must not stand in for it
-    eps = 0.0 if lower_bound and not math.isfinite(eps_raw) else min(eps_raw, eps_unamp)
+    eps = 0.0 if lower_bound and not math.isfinite(eps_raw) else min(eps_raw, eps_unamp, eps_renyi)
+    bounds = {"mmcc": eps_raw, "renyi": eps_renyi, "unamplified": eps_unamp}
     extras = {
         **info,
         "epsilon_mmcc": float(eps_raw),
         "epsilon_unamplified": float(eps_unamp),
         "unamplified_sensitivity": float(sens_value),
         "unamplified_gdp_mu": float(mu),
-        "binding": "mmcc" if eps_raw <= eps_unamp else "unamplified",
+        "binding": min(bounds, key=lambda k: bounds[k]),
         "lower_bound": bool(lower_bound),
         "blocks": blocks,
         "sampling_probability": p,
@@ -296,6 +301,9 @@ def mmcc_epsilon(
     }
     if lower_bound:  # the unamplified epsilon is a guarantee (an upper bound): say so beside a lower bound
         extras["epsilon_unamplified_guarantee"] = extras.pop("epsilon_unamplified")
+    else:
+        extras["epsilon_renyi"] = float(eps_renyi)
+        extras["renyi_order"] = renyi_order
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
     return PrivacyResult(float(eps), delta, noise_std, noise_std / col, "mmcc-lower" if lower_bound else "mmcc", extras,
                          kind=_reference_kind(blocks) if lower_bound else "guarantee")
@@ -339,6 +347,7 @@ def mmcc_delta(
 
     sens_value = unamplified_sensitivity(cmat, blocks)
     delta_unamp = gaussian_delta(epsilon, sens_value / noise_std) if epsilon > 0 else 1.0
+    delta_renyi = mixture_rdp_delta(cmat, p, noise_std, epsilon, blocks=blocks)
     kw = dict(blocks=blocks, loss_discretization=loss_discretization, sensitivity_tolerance=sensitivity_tolerance,
               workers=workers, dedupe=dedupe)
     worst = 0.0
@@ -368,7 +377,8 @@ def mmcc_delta(
             if 0.0 < d1 <= 0.5:
                 best = min(best, total(d1))
         worst = max(worst, best)
-    delta = min(worst, delta_unamp, 1.0)
+    delta = min(worst, delta_unamp, delta_renyi, 1.0)
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
     return PrivacyResult(float(epsilon), float(delta), noise_std, noise_std / col, "mmcc",
-                         {"delta_mmcc": float(worst), "delta_unamplified": float(delta_unamp), "blocks": blocks})
+                         {"delta_mmcc": float(worst), "delta_unamplified": float(delta_unamp),
+                          "delta_renyi": float(delta_renyi), "blocks": blocks})
