@@ -7,18 +7,20 @@ multiplier 4: MMCC 205 against the p~ = p lower bound 23.6). This analysis pays 
 *number and placement* of the participations, which is where Poisson sampling amplifies a matrix
 mechanism whose columns are strongly correlated:
 
-1. Fix the example's participation pattern b in {0,1}^n. The two outputs (with and without the
-   example) are the adaptive Gaussian matrix mechanism with sensitivity
-   sup_g ||C (b o g)||_F over unit-norm contributions g_j, which is ||C b||_2 for C >= 0 (triangle
-   inequality, attained by equal g_j), and which holds for adaptively chosen gradients when C is
-   lower-triangular (tutorial, adaptive continual release: the adaptive matrix mechanism is the
-   Gaussian mechanism with that sensitivity, i.e. mu_b-GDP with mu_b = ||C b|| / nu). mu-GDP
-   implies D_alpha <= alpha mu^2 / 2 in both directions for every real alpha > 1
-   (post-processing of N(mu, 1) vs N(0, 1)).
+1. Fix the example's participation pattern b in {0,1}^n (and the other examples' batches, which
+   are the same random variable in both worlds). Outputs with and without the example are then
+   the Gaussian mechanism C F + Z whose rows differ by C (b o g), g_j the example's clipped
+   contributions; its l2 sensitivity is sup_g ||C (b o g)||_F = ||C b||_2 for C >= 0 (triangle
+   inequality, attained by equal g_j). Because C is lower-triangular, row i of C F depends only on
+   the states up to round i, so tutorial Theorem 1.11 (adaptive vs. non-adaptive Gaussian
+   mechanism) makes the adaptive run mu_b-GDP with mu_b = ||C b|| / nu. mu-GDP implies
+   D_alpha <= alpha mu^2 / 2 in both directions for every real alpha > 1: by Blackwell's theorem
+   (Dong, Roth & Su 2022, Thm 2.10) the pair is a post-processing of N(0, 1) vs N(mu, 1).
 2. With the example, the output law is the mixture Q = E_b Q_b over b with i.i.d. Bernoulli(p)
    entries (Poisson sampling, independent of everything else); without it, P = Q_0. The Renyi
    moments int q^alpha p^(1-alpha) and int p^alpha q^(1-alpha) are convex in q (x^alpha and
-   x^(1-alpha) are convex for alpha > 1), so by Jensen, in both directions,
+   x^(1-alpha) are convex for alpha > 1; jointly convex in (q, p), which also averages over the
+   other examples' batches), so by Jensen, in both directions,
 
        exp((alpha - 1) D_alpha) <= E_b exp(alpha (alpha - 1) ||C b||^2 / (2 nu^2))
                                  = E_b exp(t b^T G b),   G = C^T C,  t = alpha (alpha - 1) / (2 nu^2).
