@@ -12,9 +12,11 @@ per-pair union bound by Levy peeling along each column and the joint tail of the
 see :func:`.tails.probability_tail_bounds`).  The bad events have total probability delta_1
 (Thm 3.1 / C.2); the composition of the per-row PMoG privacy loss distributions is
 (eps, delta_2)-DP, so the mechanism is (eps, delta_1 + delta_2)-DP.  ``delta_1`` is chosen to
-minimize eps.  The reported epsilon is the smaller of this and the unamplified Gaussian
-mechanism's (worst participation pattern of the schedule); both are (eps, delta)-DP guarantees
-for the same mechanism at the same delta, so their minimum is one too.
+minimize eps.  The reported epsilon is the smallest of this, the Renyi mixture bound
+(:mod:`.renyi`, issue #12: joint convexity over the participation patterns, which wins at low
+noise for strongly correlated C) and the unamplified Gaussian mechanism's (worst participation
+pattern of the schedule); all are (eps, delta)-DP guarantees for the same mechanism at the same
+delta, so their minimum is one too (``binding`` in the extras says which).
 
 Generalized MMCC (seed 001 App. D, Alg. 3) analyses block-cyclic sampling (tutorial Def. 3.20:
 step t samples block t mod BLOCKS with rate p): keep the columns of one block's rounds, compose
@@ -41,7 +43,8 @@ Plain functions: :func:`mmcc_epsilon`, :func:`mmcc_delta`, :func:`probability_ta
 :func:`pmog_pld`, :func:`compose`, ...; :func:`account_mmcc` is the registry adapter.
 
 Layout: :mod:`.pld` (discrete PLD algebra), :mod:`.tails` (Probability Tail Bounds),
-:mod:`.pmog` (PMoG discretization), :mod:`.driver` (MMCC / Generalized MMCC); the registration is
+:mod:`.pmog` (PMoG discretization), :mod:`.renyi` (the Renyi mixture bound), :mod:`.driver`
+(MMCC / Generalized MMCC and the minimum); the registration is
 here, so importing this package registers method ``mmcc``.
 """
 
@@ -86,12 +89,14 @@ __all__ = [
     batchings=(Poisson, BlockCyclic),
     requires_nonnegative=True,
     options=("lower_bound", "delta_split", "discretization", "workers"),
-    description="matrix mechanism conditional composition (seed 001): any non-negative C, Poisson or block-cyclic",
+    description="matrix mechanism conditional composition (seed 001) and the Renyi mixture bound, the smaller: "
+                "any non-negative C, Poisson or block-cyclic",
 )
 def account_mmcc(strategy, batching, noise_std: float, delta: float, lower_bound: bool = False,
                  delta_split: Any = "auto", discretization: float = DEFAULT_LOSS_DISCRETIZATION,
                  workers: int | None = None) -> PrivacyResult:
-    """MMCC (seed 001 Thm 4.3) for Poisson sampling, Generalized MMCC (Thm D.1) for block-cyclic.
+    """MMCC (seed 001 Thm 4.3) for Poisson sampling, Generalized MMCC (Thm D.1) for block-cyclic,
+    or the Renyi mixture bound (:mod:`.renyi`) where it is smaller.
 
     ``discretization`` is the loss-grid step (the name the PLD methods use, so that generic
     calibration can search on a coarse grid first)."""
