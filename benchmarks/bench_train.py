@@ -5,6 +5,10 @@ mechanism (one process each, sequentially, whole-process wall time incl. imports
 markdown table and the load average. Usage:
 
     .venv/bin/python benchmarks/bench_train.py [--epochs 5] [--seeds 0,1,2] [--mechanisms dpsgd,bandmf,blt,dpcgd,auto]
+
+``--seed`` of the command line fixes the model init and cyclic batches only: an amplified sampler
+(Poisson, block-cyclic, balls-in-bins) draws a secret seed from the OS, so those runs are not
+repeatable batch for batch (the Python API's ``train(sampler_seed=...)`` is, for experiments).
 """
 
 from __future__ import annotations

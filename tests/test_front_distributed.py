@@ -100,6 +100,17 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                      mechanism="bsr:2", noise_std=1.0, delta=1e-5, max_grad_norm=1.0, steps=2,
                                      batching="cyclic")
         out["seeds"] = (o.sampler.seed, o.noise_seed)
+        # an amplified sampler with no seed: rank 0's secret one from the OS on every rank, no warning
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = nn.Linear(3, 1).double()
+            _, o, _ = front.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), DataLoader(_data(), batch_size=B),
+                                         mechanism="identity", noise_std=1.0, delta=1e-5, max_grad_norm=1.0, steps=2,
+                                         batching="poisson")
+        out["poisson"] = (o.sampler.seed, [o.sampler.batch(t) for t in range(2)],
+                          any("sampler seed" in str(w.message) for w in caught))
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -144,6 +155,8 @@ def test_huge_gradient_on_one_rank_moves_the_sum_by_at_most_the_clip_norm(ranks)
 
 def test_rank_zero_seeds_on_every_rank(ranks):
     assert ranks[0]["seeds"] == ranks[1]["seeds"]
+    assert ranks[0]["poisson"] == ranks[1]["poisson"]  # one global Poisson sampler, from rank 0's seed
+    assert not ranks[0]["poisson"][2] and ranks[0]["poisson"][0] != ranks[0]["seeds"][0]
     assert ranks[0]["seeds"][1].bit_length() > 64  # the 256-bit secret, all bits broadcast
 
 

@@ -185,3 +185,25 @@ def test_bad_sampler_inputs():
         MinSepSampler(10, 5, 5, 20)  # (k - 1) b >= n
     with pytest.raises(CorrnoiseError, match="step"):
         PoissonSampler(10, 0.5, 3).batch(3)
+
+
+def _every_kind(seed):
+    return [PoissonSampler(60, 0.2, 12, seed=seed), BlockCyclicPoissonSampler(60, 3, 0.3, 12, seed=seed),
+            CyclicSampler(60, 8, steps=12, seed=seed), BallsInBinsSampler(60, 6, 12, seed=seed),
+            BallsInBinsSampler(60, 6, 12, batch_size=9, seed=seed), MinSepSampler(60, 3, 4, 12, jitter=1, seed=seed)]
+
+
+def test_seed_defaults_to_os_entropy_and_reseed_rebuilds_the_seeded_sampler():
+    """An amplified guarantee assumes the sampler seed is secret: without a seed each sampler
+    draws its own from the OS (two samplers differ); reseed(s) gives exactly the batches, and
+    the state fixed at construction, of the sampler built with s (a resumed run continues them)."""
+    a, b = _every_kind(None), _every_kind(None)
+    for x, y in zip(a, b):
+        assert x.seed != y.seed and 0 <= x.seed < 2 ** 63
+        assert x.amplified == (x.accounting != "none")
+        y.reseed(x.seed)
+        assert [y.batch(t) for t in range(12)] == [x.batch(t) for t in range(12)], type(x).__name__
+        assert {**y.describe(), "seed": y.seed} == {**x.describe(), "seed": x.seed}
+    assert [s.amplified for s in a] == [True, True, False, True, True, False]
+    with pytest.raises(CorrnoiseError, match="seed"):
+        a[0].reseed(-1)

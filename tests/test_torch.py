@@ -158,7 +158,7 @@ def test_sgd_step_is_theta_minus_lr_times_privatized_gradient():
 def test_helper_three_lines_spent_epsilon_and_no_step_past_the_plan(make_opt):
     model = _mlp()
     run = make_private_run(model, make_opt(model.parameters()), F.cross_entropy, _dataset(), mechanism="identity",
-                           epsilon=4.0, delta=1e-5, batch_size=10, steps=6, seed=0,
+                           epsilon=4.0, delta=1e-5, batch_size=10, steps=6,
                            accounting_options={"discretization": 1e-3})
     batches = []
     for x, y in run.data_loader:
@@ -180,7 +180,7 @@ def test_helper_three_lines_spent_epsilon_and_no_step_past_the_plan(make_opt):
 def test_block_cyclic_sampler_chosen_for_banded_mechanism():
     model = _mlp()
     run = make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
-                           mechanism="bsr:2", noise_multiplier=1.0, delta=1e-5, batch_size=5, steps=8, seed=0)
+                           mechanism="bsr:2", noise_multiplier=1.0, delta=1e-5, batch_size=5, steps=8)
     assert isinstance(run.sampler, BlockCyclicPoissonSampler) and run.sampler.blocks == 2
     assert run.batching.spec.startswith("block-cyclic:2:")
     for x, y in run.data_loader:
@@ -338,8 +338,9 @@ def test_noise_seed_is_secret_unless_given():
     _, fixed, _ = _front(_mlp(), "cyclic", steps=3, seed=5, noise_seed=9)
     assert fixed.noise_seed == 9
     model = _mlp()
-    run = make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
-                           noise_std=1.0, delta=1e-5, batch_size=10, steps=3, seed=5)
+    with pytest.warns(UserWarning, match="assumes the sampler seed is secret"):  # Poisson sampling with a seed
+        run = make_private_run(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _dataset(),
+                               noise_std=1.0, delta=1e-5, batch_size=10, steps=3, seed=5)
     assert run.noise_seed not in seeds + [5, 9]
 
 
@@ -368,13 +369,16 @@ def test_resumed_block_cyclic_run_keeps_every_example_in_its_block():
     assert "seed" not in state["noise"]["generator"]
 
     with pytest.raises(CorrnoiseError) as e:  # a fresh process: new secret noise seed, checkpoint has none
-        _blocked_run(seed=state["sampler"]["seed"]).load_state_dict(state)
+        _blocked_run(seed=None).load_state_dict(state)
     _one_line(e, "noise_seed")
-    with pytest.raises(CorrnoiseError) as e:  # the sampler drawn anew: blocks would change
-        _blocked_run(seed=None, noise_seed=first.noise_seed).load_state_dict(state)
+    with pytest.warns(UserWarning, match="sampler seed is secret"):
+        other = _blocked_run(seed=state["sampler"]["seed"] ^ 1, noise_seed=first.noise_seed)
+    with pytest.raises(CorrnoiseError) as e:  # a given sampler seed other than the checkpoint's: blocks would change
+        other.load_state_dict(state)
     _one_line(e, "sampler")
-    resumed = _blocked_run(seed=state["sampler"]["seed"], noise_seed=first.noise_seed)
+    resumed = _blocked_run(seed=None, noise_seed=first.noise_seed)  # its OS-drawn seed gives way to the checkpoint's
     resumed.load_state_dict(state)
+    assert resumed.sampler.seed == first.sampler.seed and resumed.sampler is resumed.data_loader.corrnoise_sampler
     t = resumed.steps_taken
     assert t == 10
     for x, y in resumed.data_loader:
@@ -559,7 +563,7 @@ def test_privacy_engine_with_epsilon_trains_and_refuses_what_it_cannot_honour():
     _, optimizer, loader = engine.make_private_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(_dataset(), batch_size=10), target_epsilon=4.0, target_delta=1e-5, epochs=2,
-        max_grad_norm=1.0, mechanism="identity", seed=0)
+        max_grad_norm=1.0, mechanism="identity")
     assert isinstance(optimizer.sampler, PoissonSampler)
     for _ in range(2):
         for x, y in loader:

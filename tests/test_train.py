@@ -97,3 +97,58 @@ def test_cli_reports_an_unwritable_path_in_one_line(capsys, tmp_path):
     code = main(["optimize", "blt", "--n", "8", "--out", str(blocker / "m.json")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: ") and str(blocker) in err and "\n" not in err
+
+
+@pytest.mark.parametrize("mechanism,pipeline,same", [("identity", "poisson", False), ("bsr:2", "poisson", False),
+                                                     ("identity", "cyclic", True)])
+def test_cli_seed_fixes_cyclic_batches_but_never_an_amplified_sampler(monkeypatch, mechanism, pipeline, same):
+    """``corrnoise train --seed`` is public (default 0, printed in every command line): it may fix
+    the model init and the order of unamplified cyclic batches, but an amplified sampler (Poisson,
+    block-cyclic) fed from it would publish which steps used each example, voiding the amplified
+    epsilon the run reports. Two runs with the same --seed: different amplified batches, the same
+    cyclic ones, and no seed warning (the CLI never passes a seed to an amplified sampler)."""
+    import warnings
+
+    from corrnoise.torch import front
+
+    drawn = []
+    real = front.make_private
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        sampler = out[1].sampler
+        drawn.append((sampler.accounting.split(":")[0], [sampler.batch(t) for t in range(sampler.steps)]))
+        return out
+
+    monkeypatch.setattr(front, "make_private", spy)
+    args = ["train", "--dataset", "digits", "--mechanism", mechanism, "--batching", pipeline, "--epsilon", "8",
+            "--delta", "1e-5", "--epochs", "0.3", "--batch-size", "128", "--seed", "3", "--device", "cpu", "--json"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*sampler seed is secret")
+        for _ in range(2):
+            res = CliRunner().invoke(cli, args)
+            assert res.exit_code == 0, res.output
+    assert [kind for kind, _ in drawn] == [{"poisson": "poisson" if mechanism == "identity" else "block-cyclic",
+                                            "cyclic": "none"}[pipeline]] * 2
+    assert (drawn[0][1] == drawn[1][1]) is same
+
+
+def test_sampler_seed_reproduces_amplified_batches_for_experiments_with_a_warning(monkeypatch):
+    """Benchmarks that compare seeds fix the amplified sampler on purpose: ``sampler_seed`` (Python
+    API only) does, and make_private warns that the guarantee then assumes that seed secret."""
+    from corrnoise.torch import front
+
+    drawn = []
+    real = front.make_private
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drawn.append([out[1].sampler.batch(t) for t in range(out[1].sampler.steps)])
+        return out
+
+    monkeypatch.setattr(front, "make_private", spy)
+    for seed in (1, 2):  # the public seed changes, the sampler's does not
+        with pytest.warns(UserWarning, match="sampler seed is secret"):
+            train("digits", "identity", batching="poisson", epsilon=8.0, delta=1e-5, epochs=0.3, batch_size=128,
+                  seed=seed, sampler_seed=11, device="cpu")
+    assert drawn[0] == drawn[1]

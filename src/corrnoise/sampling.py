@@ -4,7 +4,7 @@ Each sampler is an iterable of index lists (one list per training step, ``len(sa
 steps``), reproducible from its seed: batch t depends only on (seed, t) and on what was
 fixed at construction (block split, shuffled order, bin assignment), so iterating twice or
 resuming with ``start_step`` gives the same batches. Each names the privacy analysis it
-supports, in the spellings of ``corrnoise account`` (DESIGN.md):
+supports, in the spellings of ``corrnoise account`` (docs/design.md):
 
 =====================  ==============================  =====================================
 sampler                ``accounting`` (``--batching``)  ``participation`` (unamplified)
@@ -22,12 +22,16 @@ is added). The fixed-size balls-in-bins variant (seed 000 App. I) always yields 
 example j), which a plain dataset rejects with an IndexError -- wrap the dataset with
 :meth:`BallsInBinsSampler.wrap_dataset` to get ``(example, weight)`` pairs, weight 0 for padding.
 
-Sampling randomness comes from numpy's PCG64 (not a cryptographic generator), as does the
-shuffling; see the report for what that means for a formal guarantee.
+Secrecy: amplification by sampling (Poisson, block-cyclic, balls-in-bins) assumes the adversary
+does not know which steps used an example, so the seed of such a sampler must be secret:
+``seed=None`` (the default) draws 63 bits from the OS (:mod:`secrets`); a given seed is for
+reproducible experiments only. Sampling and shuffling use numpy's PCG64, which is not a
+cryptographic generator; the seed itself comes from the OS.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Iterator
 
 import numpy as np
@@ -67,13 +71,28 @@ class BatchSampler:
         self.num_examples = check_int("num_examples", num_examples, minimum=1)
         self.steps = check_int("steps", steps, minimum=1)
         if seed is None:
-            seed = int(np.random.SeedSequence().entropy) & _SEED_MAX
+            seed = secrets.randbits(63)  # OS entropy: an amplified sampler's seed must be secret
         self.seed = check_int("seed", seed, minimum=0, maximum=_SEED_MAX)
         self.start_step = 0
+
+    def _draw(self) -> None:
+        """Draw what the sampler fixes at construction from ``self.seed`` (block split, shuffled
+        order, bin assignment); nothing for samplers whose batches depend only on (seed, t)."""
+
+    def reseed(self, seed: int) -> None:
+        """Use ``seed`` from now on, redrawing everything fixed at construction: the same
+        sampler as one built with this seed (a resumed checkpoint continues its run's batches)."""
+        self.seed = check_int("seed", seed, minimum=0, maximum=_SEED_MAX)
+        self._draw()
 
     def batch(self, t: int) -> list[int]:  # pragma: no cover - abstract
         """The indices of step t."""
         raise NotImplementedError
+
+    @property
+    def amplified(self) -> bool:
+        """Whether the accounting amplifies by sampling (then the seed must be secret)."""
+        return self.accounting != "none"
 
     def _check_t(self, t: int) -> int:
         return check_int("step", t, minimum=0, maximum=self.steps - 1)
@@ -163,11 +182,14 @@ class BlockCyclicPoissonSampler(BatchSampler):
         super().__init__(num_examples, steps, seed)
         self.blocks = check_int("blocks", blocks, minimum=1, maximum=self.num_examples)
         self.p = check_real("p", p, 0.0, 1.0, low_open=True)
-        order = _rng(self.seed, 1).permutation(self.num_examples)
-        self.block_indices = [np.sort(b) for b in np.array_split(order, self.blocks)]
+        self._draw()
         self.accounting = f"block-cyclic:{self.blocks}:{_fmt(self.p)}"
         k = -(-self.steps // self.blocks)
         self.participation = f"minsep:{k}:{self.blocks}"
+
+    def _draw(self) -> None:
+        order = _rng(self.seed, 1).permutation(self.num_examples)
+        self.block_indices = [np.sort(b) for b in np.array_split(order, self.blocks)]
 
     @property
     def expected_batch_size(self) -> float:
@@ -211,14 +233,17 @@ class CyclicSampler(BatchSampler):
         super().__init__(num_examples, steps, seed)
         self.batch_size = batch_size
         self.batches_per_epoch = per_epoch
-        order = _rng(self.seed, 1).permutation(self.num_examples)
-        self.order = order[: per_epoch * batch_size].reshape(per_epoch, batch_size)
+        self._draw()
         self.unused = int(self.num_examples - per_epoch * batch_size)
         b = min(per_epoch, self.steps)
         k = -(-self.steps // b)
         self.schema = Cyclic(k, b)
         self.schema.validate(self.steps)
         self.participation = self.schema.spec
+
+    def _draw(self) -> None:
+        order = _rng(self.seed, 1).permutation(self.num_examples)
+        self.order = order[: self.batches_per_epoch * self.batch_size].reshape(self.batches_per_epoch, self.batch_size)
 
     @property
     def expected_batch_size(self) -> float:
@@ -252,13 +277,16 @@ class BallsInBinsSampler(BatchSampler):
         if self.bins > self.steps:
             raise CorrnoiseError("bins", f"must be <= steps = {self.steps} (every bin is used at least once), got {self.bins}")
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, minimum=1)
+        self._draw()
+        self.accounting = f"balls-in-bins:{self.bins}"
+        self.participation = Cyclic(-(-self.steps // self.bins), self.bins).spec
+
+    def _draw(self) -> None:
         assign = _rng(self.seed, 1).integers(0, self.bins, size=self.num_examples)
         order = np.argsort(assign, kind="stable")
         counts = np.bincount(assign, minlength=self.bins)
         self.bin_indices = np.split(order, np.cumsum(counts)[:-1])
         self.bin_sizes = counts
-        self.accounting = f"balls-in-bins:{self.bins}"
-        self.participation = Cyclic(-(-self.steps // self.bins), self.bins).spec
         if self.batch_size is None:
             self.padded_per_bin = np.zeros(self.bins, dtype=np.int64)
             self.overflow_per_bin = np.zeros(self.bins, dtype=np.int64)
@@ -343,6 +371,9 @@ class MinSepSampler(BatchSampler):
         self.k, self.b = self.schema.k, self.schema.b
         self.jitter = check_int("jitter", jitter, minimum=0)
         self.participation = self.schema.spec
+        self._draw()
+
+    def _draw(self) -> None:
         rng = _rng(self.seed, 1)
         steps_of = [[] for _ in range(self.steps)]
         self.patterns: list[tuple[int, ...]] = []

@@ -65,6 +65,7 @@ def train(
     clip_norm: float | None = None,
     seed: int = 0,
     noise_seed: int | None = None,
+    sampler_seed: int | None = None,
     device: str = "auto",
     data_options: dict[str, Any] | None = None,
     max_physical_batch_size: int | None = None,
@@ -78,8 +79,12 @@ def train(
     (``dpsgd``, ``bandmf``, ``blt``, ``dpcgd``: the planner's best of that family), or any
     mechanism name or file (``bsr:4``, ``dpcgd:0.9``, ``plan/recommended.json``: trained with
     ``batching`` as given, ``auto`` letting the front door choose). Hyperparameters left None
-    take the dataset's defaults. ``seed`` fixes the data order and the model initialization;
-    the noise seed is secret (from the OS) unless ``noise_seed`` is given. ``plan_plot``: a .png
+    take the dataset's defaults. ``seed`` fixes the model initialization and the data order of
+    unamplified (cyclic) batches. An amplified sampler (Poisson, block-cyclic, balls-in-bins)
+    never takes ``seed``: its guarantee assumes the adversary does not know which steps used an
+    example, so its seed is secret (from the OS) unless ``sampler_seed`` is given (reproducible
+    experiments only; make_private warns). The noise seed is secret (from the OS) unless
+    ``noise_seed`` is given. ``plan_plot``: a .png
     path for the planner's picture (error vs epsilon, the chosen C) when the planner chose.
     The result's ``history`` is the test accuracy after every pass over the data. ``choice``: a
     :func:`choose_mechanism` result to train instead of choosing again (benchmarks train several
@@ -91,6 +96,7 @@ def train(
     from .datasets import DATASETS, load
     from .models import model_for
     from .torch.front import make_private
+    from .torch.loader import _sampling_for
 
     start = time.perf_counter()
     if dataset not in DATASETS:
@@ -100,6 +106,8 @@ def train(
     epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
     delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     seed = check_int("seed", seed, minimum=0, maximum=(1 << 62))
+    if sampler_seed is not None:
+        sampler_seed = check_int("sampler_seed", sampler_seed, minimum=0, maximum=(1 << 62))
     dev = resolve_device(device)
     hp = dict(DATASETS[dataset].defaults)
     for key, value in (("epochs", epochs), ("batch_size", batch_size), ("lr", lr), ("momentum", momentum),
@@ -143,9 +151,15 @@ def train(
     xtr, ytr, xte, yte = data.tensors()
     loader = DataLoader(torch.utils.data.TensorDataset(xtr, ytr), batch_size=batch)
     length = {"steps": choice["steps"]} if "steps" in choice else {"epochs": epochs}
+    # the batching make_private will build (resolving "auto" as it does): only the order of
+    # unamplified cyclic batches may follow the public seed
+    resolved = _sampling_for(choice["batching"], choice["mechanism"], n_ex, batch, length.get("epochs"),
+                             length.get("steps"))
+    if sampler_seed is None and resolved == "cyclic":
+        sampler_seed = seed
     model, opt, loader = make_private(
         model, opt, loader, mechanism=choice["mechanism"], batching=choice["batching"], delta=delta,
-        max_grad_norm=clip, seed=seed, noise_seed=noise_seed, max_physical_batch_size=max_physical_batch_size,
+        max_grad_norm=clip, seed=sampler_seed, noise_seed=noise_seed, max_physical_batch_size=max_physical_batch_size,
         **length, **choice["noise"])
     criterion = torch.nn.CrossEntropyLoss()
     loss_sum, loss_count, done = 0.0, 0, 0

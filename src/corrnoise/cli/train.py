@@ -49,7 +49,10 @@ def _progress_bar(enabled: bool):
 @click.option("--physical-batch-size", type=int, default=None,
               help="Cut each sampled batch into micro-batches of at most this size (memory; same result).")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order and model init.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the model init and of the order of unamplified (cyclic) batches. An amplified sampler "
+                   "(poisson, block-cyclic, balls-in-bins) always draws a secret seed from the OS: its guarantee "
+                   "assumes nobody knows which steps used an example.")
 @click.option("--noise-seed", type=int, default=None,
               help="Fix the noise seed (reproducible experiments only: it lets anyone remove the noise). "
                    "Default: a secret seed from the OS.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from ..accounting import PrivacyResult
 from ..errors import CorrnoiseError, check_int
-from ..sampling import BatchSampler
+from ..sampling import _SEED_MAX, BatchSampler
 from ..strategies import Strategy, mechanism_fingerprint
 from .loader import _StepContext
 from .optimizer import balls_in_bins_accounted_steps, privacy_spent
@@ -215,8 +216,12 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, the noise stream's position and the sampler's identity.
-        The noise seed is left out unless ``store_noise_seed`` was asked for (then the
-        checkpoint is as secret as the seed: whoever reads it can remove the noise)."""
+
+        Keep it as private as the training data: it always holds the sampler seed (an amplified
+        guarantee assumes it secret; a resumed run reuses it) and, for stateful mechanisms (bsr,
+        blt, ...), the generator's buffers of recent noise rows. The noise seed is left out
+        unless ``store_noise_seed`` was asked for (whoever reads it can remove all the noise).
+        Only the model's own ``state_dict()`` is safe to publish."""
         noise = self.privatizer.state_dict()
         if not self.store_noise_seed:
             noise = {**noise, "generator": {k: v for k, v in noise["generator"].items() if k != "seed"}}
@@ -264,7 +269,8 @@ class DPOptimizer(torch.optim.Optimizer):
         return result
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: same sampler (seed and description), same noise seed
+        """Resume from :meth:`state_dict`: same sampler (description and seed: a sampler seed drawn
+        from the OS is replaced by the checkpoint's, a given one must match it), same noise seed
         (stored in the checkpoint, or passed again to make_private as ``noise_seed``). A run
         calibrated by Monte Carlo (balls-in-bins) resumes with the checkpoint's verified
         noise_std and guarantee (:meth:`_resumed_calibration`)."""
@@ -275,6 +281,17 @@ class DPOptimizer(torch.optim.Optimizer):
             raise CorrnoiseError("mechanism", "differs from the checkpoint's (another C: its noise rows and its "
                                  "guarantee are not this run's); resume with the checkpoint's mechanism")
         mine, saved = self._sampler_state(), state.get("sampler")
+        adopt_seed = None
+        if mine != saved and isinstance(saved, dict) and isinstance(mine, dict) \
+                and not getattr(self, "sampler_seed_given", True):
+            # this run's sampler seed was drawn from the OS: continue the checkpoint's batches with
+            # its (secret) seed, if the sampler is the same but for it
+            seed = saved.get("seed")
+            if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= _SEED_MAX:
+                probe = copy.deepcopy(self.sampler)
+                probe.reseed(seed)
+                if {"seed": int(probe.seed), **probe.describe()} == saved:
+                    mine, adopt_seed = saved, seed
         if mine != saved:
             diff = sorted(k for k in set(saved or {}) | set(mine or {}) if (saved or {}).get(k) != (mine or {}).get(k))
             raise CorrnoiseError("sampler", f"this run's sampler differs from the checkpoint's in {', '.join(diff)}; "
@@ -305,6 +322,8 @@ class DPOptimizer(torch.optim.Optimizer):
             raise
         if calibration is not None:
             self.calibration = calibration
+        if adopt_seed is not None:
+            self.sampler.reseed(adopt_seed)  # in place: the data loader holds the same sampler
         self.steps_taken = steps_taken
         self.context.next_step = steps_taken
         self.context.current_step = None

@@ -32,6 +32,9 @@ Every check that sampler, mechanism and accounting agree is the one gate of
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any
 
 import torch
@@ -100,9 +103,16 @@ def make_private(
     and seed are the run's; ``epochs`` / ``steps`` may then be left out).
     ``loss_reduction``: how the user's loss reduces over the batch (``mean``, Opacus's
     convention, or ``sum``). ``max_physical_batch_size``: cut logical batches into micro-batches
-    (one noise row per logical step). ``seed`` drives the sampler only; ``noise_seed`` the
-    noise -- leave it None (a secret seed from the OS) for any real release.
-    ``store_noise_seed``: put the seed into ``optimizer.state_dict()`` (a documented risk).
+    (one noise row per logical step). ``seed`` drives the sampler only; leave it None (63 bits
+    from the OS) for any real release: amplification by sampling (``poisson``, ``block-cyclic``,
+    ``balls-in-bins``) assumes the adversary does not know which steps used an example, so the
+    amplified guarantee holds only if the sampler seed is secret. A seed given with an amplified
+    batching is for experiments and raises a :class:`UserWarning`; the order of ``cyclic``
+    batches is not secret for the analysis. ``noise_seed`` drives the noise -- leave it None (a
+    secret seed from the OS) for any real release. ``optimizer.state_dict()`` always holds the
+    sampler seed (a resumed run reuses it) and, for stateful mechanisms, recent noise rows: keep
+    checkpoints of the optimizer as private as the data. ``store_noise_seed``: put the noise
+    seed there too.
 
     ``distributed``: data-parallel training over a torch.distributed process group; ``None``
     (default) turns it on for a :class:`~torch.nn.parallel.DistributedDataParallel` module (its
@@ -110,9 +120,10 @@ def make_private(
     (not allowed for a DDP module). Call make_private on every rank with the same arguments:
 
     * one global sampler: the sampler ``seed`` is broadcast from rank 0 (checked equal when
-      given), every rank draws the same global batch and the loader yields its disjoint share
-      (every ``world_size``-th index). Accounting, steps and the expected batch size are those of
-      the global batch; with ``epsilon`` only rank 0 calibrates and broadcasts the noise_std.
+      given; else rank 0's secret one from the OS), every rank draws the same global batch and
+      the loader yields its disjoint share (every ``world_size``-th index). Accounting, steps and
+      the expected batch size are those of the global batch; with ``epsilon`` only rank 0
+      calibrates and broadcasts the noise_std.
     * the clipping engine hooks the inner module (``module.module``) and clips this rank's
       examples. DDP's own all-reduce of *unclipped* gradients is switched off for good
       (``require_backward_grad_sync = False``, what ``no_sync()`` does): it would be wasted work
@@ -149,6 +160,7 @@ def make_private(
     dataset, batch_size, keep, collate_fn = _loader_settings(data_loader)
     on, group, inner = _data_parallel(module, distributed)
     rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if on else (0, 1)
+    seed_given = seed is not None and not isinstance(batching, BatchSampler)
     if on:
         seed = _shared_sampler_seed(seed, group)
     loader_epochs = epochs
@@ -182,6 +194,10 @@ def make_private(
         epochs=epochs, steps=steps,
         sampler=_sampling_for(batching, mechanism, len(dataset), batch_size, epochs, steps), seed=seed,
         accounting_method=accounting_method, accounting_options=accounting_options)
+    if seed_given and sampler.amplified:
+        warnings.warn(f"a given seed fixes the {sampler.accounting.split(':', 1)[0]} sampler: its amplified privacy "
+                      "guarantee assumes the sampler seed is secret (leave seed=None, drawn from the OS, for any "
+                      "real release; a given seed is for experiments)", UserWarning, stacklevel=_user_stacklevel())
     if on:
         shared = [nu, calibration]
         dist.broadcast_object_list(shared, src=_global_rank0(group), group=group)
@@ -217,11 +233,22 @@ def make_private(
         engine.detach()  # a refused call leaves the user's module without hooks
         raise
     private.noise_seed_given = noise_seed is not None
+    private.sampler_seed_given = seed_given or isinstance(batching, BatchSampler)
     loader = DPDataLoader(dataset, sampler,
                           steps_per_epoch=_steps_per_epoch(sampler, loader_epochs, len(dataset), batch_size),
                           collate_fn=collate_fn, max_physical_batch_size=max_physical_batch_size, context=context,
                           rank=rank, world_size=world_size, **keep)
     return module, private, loader
+
+
+def _user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for its caller, of the first frame outside corrnoise: a
+    warning names the user's line, also through make_private_run, train or the Opacus adapter."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _PIPELINE_OF = {"auto": "auto", "poisson": "poisson", "block-cyclic": "poisson", "balls-in-bins": "balls-in-bins",
