@@ -2,7 +2,7 @@
 
 Every user-facing precondition is checked here and reported as a :class:`CorrnoiseError`
 that names the offending parameter, so the command line can print one line and exit
-non-zero instead of showing a traceback (DESIGN.md, "Command-line contract").
+non-zero instead of showing a traceback (docs/cli.md, "Command-line contract").
 """
 
 from __future__ import annotations

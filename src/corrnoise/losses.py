@@ -1,6 +1,6 @@
 """Per-query error, RMS and max loss, and the sensitivity of any strategy (layer 3).
 
-Normalizations (DESIGN.md, tutorial Def. 2.3 / 2.23): with B = A C^{-1},
+Normalizations (docs/design.md, tutorial Def. 2.3 / 2.23): with B = A C^{-1},
 ``max_error = max_t ||B[t]||``, ``mean_error = ||B||_F / sqrt(n)``,
 ``max_loss = sens(C, Pi) * max_error`` and ``rms_loss = sens(C, Pi) * mean_error``
 (tutorial Eq. 2.5: loss = error(B) * sens(C)).
@@ -224,7 +224,7 @@ def loss_report(
     participation: Participation | str | None = None,
     workload: Workload | None = None,
 ) -> LossReport:
-    """Sensitivity, errors and normalized losses of ``strategy`` (DESIGN.md ``corrnoise loss``)."""
+    """Sensitivity, errors and normalized losses of ``strategy`` (docs/cli.md ``corrnoise loss``)."""
     schema = parse_participation(participation or "single")
     workload = workload or prefix()
     sens = mechanism_sensitivity(strategy, schema)

@@ -9,7 +9,7 @@ CorrnoiseError whose parameter and text depend only on the event and the method,
 point reports the same line.  Method functions may assume their preconditions.
 
 ``auto`` (:func:`choose_method`) tries, per batching, the candidates of :data:`AUTO_CANDIDATES`
-in order and picks the first available one whose preconditions hold (DESIGN.md): none ->
+in order and picks the first available one whose preconditions hold (docs/design.md): none ->
 gaussian; Poisson -> pld (diagonal C, DP-SGD) else mmcc (seed 001); block-cyclic -> bandmf
 (bands <= blocks, tutorial Thm 3.21) else mmcc; balls-in-bins -> mc (seed 000).
 """

@@ -1,4 +1,4 @@
-"""The ``corrnoise`` command line (layer 7). Contract: DESIGN.md "Command-line contract".
+"""The ``corrnoise`` command line (layer 7). Contract: docs/cli.md "Command-line contract".
 
 Every command takes ``--json`` (one JSON object on stdout, nothing else there); bad input
 exits with status 2 and one line on stderr naming the parameter, never a traceback.

@@ -1,4 +1,4 @@
-"""``corrnoise account`` (DESIGN.md "Command-line contract").
+"""``corrnoise account`` (docs/cli.md "Command-line contract").
 
     corrnoise account MECHANISM --n N --batching SPEC  two of (--sigma S | --noise-std NU), --epsilon E,
         --delta D  [--participation ...] [--method auto|gaussian|pld|rdp|bandmf|mmcc|mc]

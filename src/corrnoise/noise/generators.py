@@ -2,7 +2,7 @@
 
 A generator is built from a :class:`corrnoise.strategies.Strategy`, the model size m (an int,
 a shape, or a list of parameter shapes / tensors), a seed, and the noise standard deviation
-nu (``noise_std``, DESIGN.md). ``gen.next()`` returns the noise of the current step and
+nu (``noise_std``, docs/design.md). ``gen.next()`` returns the noise of the current step and
 advances; the seed noise Z is :func:`corrnoise.noise.seeds.seed_noise`, so
 
     gen.next() at step t == noise_std * (C^{-1} Z)[t],   Z[tau] = seed_noise(seed, tau, m).

@@ -44,7 +44,7 @@ discretization (still a pessimistic, formal guarantee), Monte Carlo with ``estim
 Monte Carlo -- Estimate-Verify-Release, seed 000 Thm 2.1) and the ranking is checked again, until
 the best candidate is a final, formal guarantee.  Only that number is recommended.
 
-Numbers per candidate (DESIGN.md conventions, unit clip norm, prefix workload):
+Numbers per candidate (docs/design.md conventions, unit clip norm, prefix workload):
 ``rms_error = noise_std ||A C^-1||_F / sqrt(n)``, ``max_error = noise_std max_t ||(A C^-1)[t]||``;
 ``memory_vectors`` = model-size noise vectors the streaming generator keeps between steps
 (:func:`corrnoise.noise.make_generator`'s choice: banded b - 1, BLT d, DP-SGD / DP-CGD /

@@ -1,6 +1,6 @@
 """The strategy interface (layer 2): a lower-triangular C, its noising matrix C^{-1}, streams.
 
-Rows are iterations t = 0..n-1 and the noise added at step t is (C^{-1} Z)[t] (DESIGN.md).
+Rows are iterations t = 0..n-1 and the noise added at step t is (C^{-1} Z)[t] (docs/design.md).
 Each kind stores only what it needs (coefficients, a band, BLT parameters) and materializes
 n x n matrices only when asked.
 """

@@ -1,4 +1,4 @@
-"""Mechanism files (DESIGN.md "Mechanism files"): a small JSON document + optional sibling .npz.
+"""Mechanism files (docs/mechanism-file.md): a small JSON document + optional sibling .npz.
 
 The JSON holds the format version, kind, n, parameters (floats written with Python's
 shortest round-trip repr, so they load bit-for-bit), whether C is column-normalized, what it

@@ -1,4 +1,4 @@
-"""Strategy names (DESIGN.md) -> strategy objects, and kind names -> classes."""
+"""Strategy names (docs/cli.md, "Mechanism names") -> strategy objects, and kind names -> classes."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _floats(param: str, text: str) -> list[float]:
 
 
 def parse_strategy(name: str, n: int) -> Strategy:
-    """Build the strategy called ``name`` (DESIGN.md "STRATEGY / MECHANISM names") for n steps."""
+    """Build the strategy called ``name`` (docs/cli.md "Mechanism names") for n steps."""
     n = check_int("n", n, minimum=1)
     name = str(name).strip()
     if name.endswith("+colnorm"):

@@ -4,7 +4,7 @@ Both classes have the same C = C_tree (:func:`corrnoise.linalg.tree.tree_matrix`
 dyadic node touching the first n leaves, postorder; every leaf lies in K + 1 = ceil(log2 n) + 1
 nodes, so the sensitivity is the same), and Z has one row per node (node id = row of C). They
 differ in the left inverse L (L C = I) that turns the noisy nodes into the gradient noise
-L Z = A^{-1} B Z (DESIGN.md: the noise added at step t is (C^{-1} Z)[t], here C^{-1} := L):
+L Z = A^{-1} B Z (docs/design.md: the noise added at step t is (C^{-1} Z)[t], here C^{-1} := L):
 
 * :class:`OnlineTree` ``tree`` (plain): each prefix sum is the sum of the nodes of the maximal
   dyadic partition of [0, t] (B = B_tree of Sec. 2.7). Streams with no buffers: step t

@@ -5,7 +5,7 @@ At step t, given the summed clipped per-example gradient S_t = sum_i clip_zeta(g
     g_hat_t = (S_t + zeta * nu * (C^{-1} Z)[t]) / B                           (Alg. 3.1, l. 7-8)
 
 with zeta the clip norm, nu the noise standard deviation (``noise_std``, in units of the clip
-norm: DESIGN.md), Z the seed noise and B the *expected* batch size -- a fixed constant, never
+norm: docs/design.md), Z the seed noise and B the *expected* batch size -- a fixed constant, never
 the realized batch size, which would depend on the data (Alg. 3.1 footnote 4; seed 000 App. I:
 "our normalization in the average is always 1/B"). The noise rows come from a streaming
 generator (:mod:`corrnoise.noise`), which already returns nu * (C^{-1} Z)[t].
