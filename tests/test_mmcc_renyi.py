@@ -12,8 +12,7 @@ import pytest
 from dp_accounting.rdp.rdp_privacy_accountant import _compute_rdp_poisson_subsampled_gaussian
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import norm
-from test_mmcc_tails import _exact_delta_2d
+from test_mmcc_tails import _exact_delta_2d, densities_2d
 
 from corrnoise.accounting.mmcc import mmcc_delta, mmcc_epsilon
 from corrnoise.accounting.mmcc.renyi import (bernoulli_subgaussian_variance, mixture_rdp, mixture_rdp_epsilon,
@@ -72,15 +71,7 @@ def test_log_mgf_at_p_one_is_exact_and_t_zero_is_zero():
 
 def _exact_renyi_2d(c: np.ndarray, p: float, nu: float, alpha: float) -> tuple[float, float]:
     """D_alpha(Q || P) and D_alpha(P || Q), Q the Poisson mixture, P = N(0, nu^2 I), by quadrature."""
-    h = 0.02 * nu
-    grid = np.arange(-10 * nu, 10 * nu + c.sum() + h, h)
-    x, y = np.meshgrid(grid, grid, indexing="ij")
-    pd = norm.pdf(x, scale=nu) * norm.pdf(y, scale=nu)
-    qd = np.zeros_like(pd)
-    for bits in itertools.product((0, 1), repeat=2):
-        m = c @ np.array(bits, dtype=float)
-        w = np.prod([p if b else 1 - p for b in bits])
-        qd += w * norm.pdf(x - m[0], scale=nu) * norm.pdf(y - m[1], scale=nu)
+    h, qd, pd = densities_2d(c, p, nu, 0.02, 10)
     ok = (pd > 0) & (qd > 0)
     fwd = np.sum(qd[ok] ** alpha * pd[ok] ** (1 - alpha)) * h * h
     rev = np.sum(pd[ok] ** alpha * qd[ok] ** (1 - alpha)) * h * h

@@ -182,9 +182,11 @@ def test_bad_event_probability_and_exact_posteriors_by_simulation():
 # ----------------------------------------------------------------------------------------------
 # End to end: for n = 2 the exact privacy curve (2-d quadrature) is below MMCC's guarantee
 # ----------------------------------------------------------------------------------------------
-def _exact_delta_2d(c: np.ndarray, p: float, nu: float, eps: float) -> tuple[float, float]:
-    h = 0.025 * nu
-    grid = np.arange(-12 * nu, 12 * nu + c.sum() + h, h)
+def densities_2d(c: np.ndarray, p: float, nu: float, step: float, span: float):
+    """(h, mixture, gaussian): the Poisson mixture sum_b P(b) N(C b, nu^2 I) and N(0, nu^2 I) on a
+    square grid of step ``step * nu`` covering ``span`` noise standard deviations past the means."""
+    h = step * nu
+    grid = np.arange(-span * nu, span * nu + c.sum() + h, h)
     x, y = np.meshgrid(grid, grid, indexing="ij")
     qd = norm.pdf(x, scale=nu) * norm.pdf(y, scale=nu)
     pd = np.zeros_like(qd)
@@ -192,6 +194,11 @@ def _exact_delta_2d(c: np.ndarray, p: float, nu: float, eps: float) -> tuple[flo
         m = c @ np.array(bits, dtype=float)
         w = np.prod([p if b else 1 - p for b in bits])
         pd += w * norm.pdf(x - m[0], scale=nu) * norm.pdf(y - m[1], scale=nu)
+    return h, pd, qd
+
+
+def _exact_delta_2d(c: np.ndarray, p: float, nu: float, eps: float) -> tuple[float, float]:
+    h, pd, qd = densities_2d(c, p, nu, 0.025, 12)
     remove = float(np.maximum(pd - math.exp(eps) * qd, 0.0).sum() * h * h)
     add = float(np.maximum(qd - math.exp(eps) * pd, 0.0).sum() * h * h)
     return remove, add

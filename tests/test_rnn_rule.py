@@ -16,7 +16,6 @@ from torch import nn
 
 from corrnoise.errors import CorrnoiseError
 from corrnoise.torch.clipping import ClippingEngine, recurrent_handler
-from corrnoise.torch.clipping import engine as engine_mod
 from corrnoise.torch.clipping import layers as layers_mod
 from corrnoise.torch.clipping.layers import LAYER_HANDLERS, handler_for
 from corrnoise.torch.clipping.recurrent import rule_applies
@@ -24,23 +23,9 @@ from corrnoise.torch.clipping.recurrent import rule_applies
 TIGHT = 1e-9  # float64: the unrolled recurrence and torch's kernels agree to rounding
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(old)
-
-
-@pytest.fixture(params=["auto", "ghost", "materialize"])
-def rule(request, monkeypatch):
-    """Each case with the engine's own ghost/materialize choice, and with every parameter forced to one."""
-    if request.param == "ghost":
-        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: True)
-    elif request.param == "materialize":
-        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: False)
-    return request.param
+# float64 for every case, and each case under the engine's own ghost/materialize choice and with
+# every parameter forced to one (the fixtures of the engine tests)
+from test_engine import _float64, rule  # noqa: E402,F401  (pytest fixtures)
 
 
 class _Net(nn.Module):
