@@ -63,7 +63,8 @@ def account_delta(event_or_strategy, batching=None, *, epsilon, noise_std=None, 
         cache: dict[float, PrivacyResult] = {}
 
         def epsilon_of(delta: float) -> float:
-            cache[delta] = require_guarantee(spec.account(strategy, batching, nu, delta, **opts), "delta(epsilon)")
+            if delta not in cache:  # the bisection asks for its upper end twice
+                cache[delta] = require_guarantee(spec.account(strategy, batching, nu, delta, **opts), "delta(epsilon)")
             return cache[delta].epsilon
 
         delta = bisect_delta(epsilon_of, epsilon)
