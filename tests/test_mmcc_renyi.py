@@ -146,3 +146,25 @@ def test_issue_12_toeplitz_sqrt_targets():
         eps_renyi, _ = mixture_rdp_epsilon(c, p, nu, delta)
         low = mmcc_epsilon(c, None, p, nu, delta, lower_bound=True)
         assert eps_renyi <= factor * low.epsilon, (sigma, eps_renyi, low.epsilon)
+
+
+@pytest.mark.parametrize("p,nu,eps", [(0.3, 0.8, 2.0), (0.1, 0.5, 3.0), (0.05, 1.0, 0.5)])
+def test_mmcc_delta_dominates_the_exact_privacy_curve_n2(p, nu, eps):
+    """delta(epsilon) (the minimum of MMCC's, the Renyi bound's and the unamplified one) is never
+    below the exact curve's delta at that epsilon."""
+    c = np.array([[1.0, 0.0], [0.9, 1.0]])
+    d = mmcc_delta(c, None, p, nu, eps)
+    assert max(_exact_delta_2d(c, p, nu, eps)) <= d.delta
+    assert d.extras["binding"] in ("mmcc", "renyi", "unamplified")
+
+
+def test_account_delta_of_epsilon_uses_mmcc_delta_directly():
+    from corrnoise.accounting.account import account_delta
+    from corrnoise.errors import CorrnoiseError
+
+    strat = parse_strategy("toeplitz-sqrt", 16)
+    res = account_delta(strat, "poisson:0.1", epsilon=2.0, noise_std=4.0, method="mmcc")
+    direct = mmcc_delta(strat, 16, 0.1, 4.0, 2.0)
+    assert res.delta == direct.delta and res.kind == "guarantee" and res.extras["delta_of_epsilon"]
+    with pytest.raises(CorrnoiseError, match="lower_bound"):
+        account_delta(strat, "poisson:0.1", epsilon=2.0, noise_std=4.0, method="mmcc", lower_bound=True)

@@ -381,4 +381,6 @@ def mmcc_delta(
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
     return PrivacyResult(float(epsilon), float(delta), noise_std, noise_std / col, "mmcc",
                          {"delta_mmcc": float(worst), "delta_unamplified": float(delta_unamp),
-                          "delta_renyi": float(delta_renyi), "blocks": blocks})
+                          "delta_renyi": float(delta_renyi), "blocks": blocks,
+                          "binding": min((("mmcc", worst), ("renyi", delta_renyi), ("unamplified", delta_unamp)),
+                                         key=lambda kv: kv[1])[0]})
