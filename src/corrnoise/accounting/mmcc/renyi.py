@@ -62,9 +62,12 @@ def bernoulli_subgaussian_variance(p: float) -> float:
     Buldygin & Moskvichova 2013, Thm 2.1). tests/test_mmcc_renyi.py checks it on a grid."""
     if not 0.0 < p < 1.0:
         raise ValueError("p must be in (0, 1)")
-    if abs(p - 0.5) < 1e-9:
+    if abs(p - 0.5) < 1e-12:
         return 0.25
-    return (1.0 - 2.0 * p) / (2.0 * math.log((1.0 - p) / p))
+    # log((1 - p) / p) without cancellation: near 1/2 as log1p((1 - 2p) / p); for small p as
+    # log1p(-p) - log(p), finite even where (1 - p) / p overflows
+    log_odds = math.log1p((1.0 - 2.0 * p) / p) if p >= 0.25 else math.log1p(-p) - math.log(p)
+    return (1.0 - 2.0 * p) / (2.0 * log_odds)
 
 
 def _bernoulli_centred_cgf(p: float, lam: np.ndarray) -> np.ndarray:
@@ -142,8 +145,9 @@ def mixture_rdp(columns: np.ndarray, p: float, noise_std: float, orders=RENYI_OR
     lam = np.linalg.eigvalsh(gram)
     out = []
     for a in orders:
-        t = a * (a - 1.0) / (2.0 * noise_std**2)
-        out.append(quadratic_form_log_mgf_bound(gram, p, t, eigenvalues=lam) / (a - 1.0))
+        t = a * (a - 1.0) / 2.0 / noise_std / noise_std  # no noise_std**2: it under/overflows first
+        out.append(quadratic_form_log_mgf_bound(gram, p, t, eigenvalues=lam) / (a - 1.0) if math.isfinite(t)
+                   else math.inf)
     return np.asarray(out)
 
 
