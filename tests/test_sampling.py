@@ -64,7 +64,8 @@ def test_block_cyclic_blocks_and_rates():
     s = BlockCyclicPoissonSampler(N, blocks, p, n, seed=4)
     x = membership(s)
     sizes = [len(b) for b in s.block_indices]
-    assert sorted(np.concatenate(s.block_indices).tolist()) == list(range(N)) and max(sizes) - min(sizes) <= 1
+    assert sorted(np.concatenate(s.block_indices).tolist()) == list(range(N))
+    assert all(abs(binomial_z(size, N, 1 / blocks)) < 4.5 for size in sizes)  # each example's own uniform draw
     for t in range(n):
         outside = np.setdiff1d(np.arange(N), s.block_indices[t % blocks])
         assert x[t, outside].sum() == 0  # only the block of step t is sampled
@@ -75,6 +76,15 @@ def test_block_cyclic_blocks_and_rates():
     assert s.accounting == "block-cyclic:3:0.2" and s.participation == "minsep:100:3"
     assert s.block_of(int(s.block_indices[2][5])) == 2
     assert s.batching().spec == "block-cyclic:3:0.2"
+
+
+def test_block_cyclic_adding_an_example_moves_no_other_example():
+    """The block-cyclic analyses assume neighbouring datasets differ only in the added example's
+    rounds: its blocks must not depend on N (a split of one shuffle into equal blocks did)."""
+    for n_examples in (4, 57, 600):
+        before = BlockCyclicPoissonSampler(n_examples, 2 if n_examples == 4 else 5, 0.3, 10, seed=11)
+        after = BlockCyclicPoissonSampler(n_examples + 1, before.blocks, 0.3, 10, seed=11)
+        assert [after.block_of(j) for j in range(n_examples)] == [before.block_of(j) for j in range(n_examples)]
 
 
 def test_cyclic_fixed_order():
