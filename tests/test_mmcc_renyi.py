@@ -196,3 +196,13 @@ def test_account_delta_of_epsilon_uses_mmcc_delta_directly():
     assert res.delta == direct.delta and res.kind == "guarantee" and res.extras["delta_of_epsilon"]
     with pytest.raises(CorrnoiseError, match="lower_bound"):
         account_delta(strat, "poisson:0.1", epsilon=2.0, noise_std=4.0, method="mmcc", lower_bound=True)
+
+
+def test_a_block_whose_columns_are_zero_is_left_out():
+    """Block-cyclic with a block that never reaches the output: its examples are (0, 0)-DP; the
+    analysis is that of the other blocks (here block 0 alone, = blocks restricted to it)."""
+    c = np.array([[1.0, 0, 0], [1, 0, 0], [1, 0, 0]])
+    res = mmcc_epsilon(c, None, 0.5, 1.0, 1e-5, blocks=3)
+    only = mmcc_epsilon(c, None, 0.5, 1.0, 1e-5, blocks=3, offsets=[0])
+    assert res.epsilon == only.epsilon and math.isfinite(res.epsilon)
+    assert mmcc_delta(c, None, 0.5, 1.0, 2.0, blocks=3).delta < 1.0

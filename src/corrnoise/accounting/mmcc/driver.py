@@ -158,16 +158,18 @@ def _is_toeplitz(cmat: np.ndarray) -> bool:
 
 
 def _offsets(cmat: np.ndarray, blocks: int, offsets: Any) -> list[int]:
+    """The blocks to analyse (their first rounds); a block whose columns of C are all zero never
+    reaches the output (its examples are (0, 0)-DP) and is left out."""
     n = cmat.shape[0]
-    usable = list(range(min(blocks, n)))
+    usable = [o for o in range(min(blocks, n)) if np.any(cmat[:, o::blocks])]
     if offsets is None or offsets == "auto":
         # Toeplitz: block 0 sees the leading principal submatrix of every other block's analysis
         # plus more rounds, so it is the worst (seed 001 App. D)
         return [0] if _is_toeplitz(cmat) else usable
     if offsets == "all":
         return usable
-    out = sorted({check_int("offsets", o, minimum=0, maximum=len(usable) - 1) for o in offsets})
-    return out
+    out = sorted({check_int("offsets", o, minimum=0, maximum=min(blocks, n) - 1) for o in offsets})
+    return [o for o in out if o in usable]
 
 
 def _split_candidates(delta_split: Any) -> tuple[float, ...]:
