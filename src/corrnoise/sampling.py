@@ -174,7 +174,8 @@ class BlockCyclicPoissonSampler(BatchSampler):
     Every example draws its block once, uniformly and independently of the others (seeded);
     step t Poisson-samples block t mod ``blocks`` with rate p, so the expected batch size is
     p N / blocks. Independent draws, not a split of one shuffle into equal blocks: with a split,
-    adding an example moves others to other blocks (N = 4, 2 blocks: one added example leaves
+    zero-out adjacency (tutorial Def. 3.5) holds but under add/remove adding an example moves others
+    to other blocks (N = 4, 2 blocks: one added example leaves
     a block with 3 of the others in 2 of 5 draws), so neighbouring datasets would differ in more
     than the added example's rounds, which every block-cyclic analysis (tutorial Thm 3.21, MMCC,
     the Renyi bound) assumes. ``accounting = "block-cyclic:BLOCKS:P"``; an
@@ -267,7 +268,9 @@ class BallsInBinsSampler(BatchSampler):
 
     With ``batch_size=B`` (App. I) every batch has exactly B entries: a bin with more than B
     examples is truncated to a uniformly random B of them (redrawn every step -- a truncated
-    example just has gradient 0 that step, which the analysis allows), and a smaller bin is
+    example just has gradient 0 that step, which the analysis allows under zero-out adjacency,
+    tutorial Def. 3.5: a zeroed example keeps its slot; under add/remove an added example that is
+    kept displaces another member, so this variant is a zero-out guarantee), and a smaller bin is
     padded with ``N + j`` entries, zero-weight copies of example j (use :meth:`wrap_dataset`
     and average over B, never over the real count). ``padded_per_bin`` and
     ``overflow_per_bin`` give the counts per use of each bin; :meth:`padding_report`
