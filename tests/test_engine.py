@@ -561,20 +561,6 @@ def test_a_2d_attention_mask_is_shared_even_when_its_length_equals_the_batch():
     _check_against_loop(_Attention(causal=True), torch.randn(4, 4, 4), torch.randint(0, 2, (4,)))
 
 
-def test_dropout_inside_an_rnn_is_refused_in_training():
-    model = nn.Sequential()
-    model.rnn = nn.LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True)
-    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
-    out, _ = model.rnn(torch.randn(3, 5, 3))
-    out.sum().backward()
-    state = torch.get_rng_state()
-    with pytest.raises(CorrnoiseError) as e:
-        eng.clipped_sum(3)
-    assert "'rnn'" in str(e.value) and "dropout" in str(e.value)
-    assert torch.equal(torch.get_rng_state(), state)  # the re-runs left the random stream alone
-    eng.detach()
-
-
 class _Counting(nn.Module):
     """A layer without a rule that updates a buffer in its forward."""
 
