@@ -76,9 +76,9 @@ def _bernoulli_centred_cgf(p: float, lam: np.ndarray) -> np.ndarray:
 
 
 def quadratic_form_log_mgf_bound(gram: np.ndarray, p: float, t: float, *, eigenvalues: np.ndarray | None = None) -> float:
-    """An upper bound on log E exp(t b^T G b), b with i.i.d. Bernoulli(p) entries (p in (0, 1];
-    at p = 1 the value itself), G = C^T C
-    positive semi-definite with non-negative entries, t >= 0 (``math.inf`` when none applies).
+    """An upper bound on log E exp(t b^T G b), b with i.i.d. Bernoulli(p) entries, p in (0, 1]
+    (at p = 1 the value itself), G = C^T C positive semi-definite with non-negative entries,
+    t >= 0 (``math.inf`` when none applies).
 
     Proof. Write b = p 1 + xi (xi centred, independent). Then
     b^T G b = p^2 1^T G 1 + 2 p (G 1)^T xi + xi^T G xi, and by Hoelder with 1/r + 1/r' = 1,
@@ -127,7 +127,7 @@ def quadratic_form_log_mgf_bound(gram: np.ndarray, p: float, t: float, *, eigenv
     hi = min(rp_max * (1.0 - 1e-9), 1e6)
     if hi <= lo:
         return math.inf
-    # search r' on a log scale between its limits (the bound is smooth in r')
+    # search r' in (lo, hi) through a logistic map of the real line (the bound is smooth in r')
     res = minimize_scalar(lambda z: bound(lo + (hi - lo) / (1.0 + math.exp(-z))), bounds=(-30.0, 30.0),
                           method="bounded", options={"xatol": 1e-6})
     value = min(float(res.fun), bound(lo + (hi - lo) / 2.0))
