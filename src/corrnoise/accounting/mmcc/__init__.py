@@ -53,7 +53,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CorrnoiseError
-from ..base import BlockCyclic, Poisson, PrivacyResult, register_method, require_guarantee
+from ..base import BlockCyclic, Poisson, PrivacyResult, register_method
 # re-exports
 from .driver import mmcc_delta, mmcc_epsilon, mmcc_plds, unamplified_sensitivity
 from .pld import (DEFAULT_LOSS_DISCRETIZATION, DiscretePLD, compose, compose_all, pld_delta, pld_epsilon,
@@ -92,8 +92,8 @@ def delta_mmcc(strategy, batching, noise_std: float, epsilon: float, lower_bound
     bisecting epsilon(delta): toeplitz-sqrt n = 512 at noise 36, epsilon 2: delta 0.00927 in 24 s
     against the bisection's 0.00933 in 6 min (benchmarks/RESULTS.md)."""
     if lower_bound:
-        require_guarantee(PrivacyResult(epsilon, 1.0, noise_std, float("nan"), "mmcc-lower", {}, kind="lower_bound"),
-                          "delta(epsilon)")
+        raise CorrnoiseError("lower_bound", "delta(epsilon) needs a formal (epsilon, delta) guarantee; MMCC's "
+                             "p~ = p reference is for epsilon at a given delta: drop lower_bound=True")
     if delta_split != "auto":
         raise CorrnoiseError("delta_split", "is for epsilon(delta); delta(epsilon) searches delta_1 for its epsilon")
     blocks = batching.blocks if isinstance(batching, BlockCyclic) else 1

@@ -239,7 +239,8 @@ def mmcc_epsilon(
     each is an (eps, delta)-DP guarantee for this mechanism at this delta, so the mechanism is
     (min, delta)-DP; the extras say which one binds (``binding``: mmcc, renyi or unamplified).
     ``lower_bound=True`` instead composes the rows as if independent with every p~ = p and all of
-    delta in the PLD (seed 001 "Tightness"): an estimate from below of the true epsilon, for reporting how tight MMCC is -- not a guarantee.
+    delta in the PLD (seed 001 "Tightness"): an estimate from below of the true epsilon, for
+    reporting how tight MMCC is -- not a guarantee.
     """
     started = time.perf_counter()
     cmat, label = _as_matrix(strategy, n)
@@ -287,14 +288,13 @@ def mmcc_epsilon(
     # the smaller of the two; but a lower bound whose grids gave up (inf) is the trivial 0: the
     # unamplified upper bound must not stand in for it
     eps = 0.0 if lower_bound and not math.isfinite(eps_raw) else min(eps_raw, eps_unamp, eps_renyi)
-    bounds = {"mmcc": eps_raw, "renyi": eps_renyi, "unamplified": eps_unamp}
     extras = {
         **info,
         "epsilon_mmcc": float(eps_raw),
         "epsilon_unamplified": float(eps_unamp),
         "unamplified_sensitivity": float(sens_value),
         "unamplified_gdp_mu": float(mu),
-        "binding": min(bounds, key=lambda k: bounds[k]),
+        "binding": _binding(mmcc=eps_raw, renyi=eps_renyi, unamplified=eps_unamp),
         "lower_bound": bool(lower_bound),
         "blocks": blocks,
         "sampling_probability": p,
@@ -309,6 +309,11 @@ def mmcc_epsilon(
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
     return PrivacyResult(float(eps), delta, noise_std, noise_std / col, "mmcc-lower" if lower_bound else "mmcc", extras,
                          kind=_reference_kind(blocks) if lower_bound else "guarantee")
+
+
+def _binding(**bounds: float) -> str:
+    """Which of the competing guarantees (epsilons, or deltas) is the one reported: the smallest."""
+    return min(bounds, key=lambda k: bounds[k])
 
 
 def _reference_kind(blocks: int) -> str:
@@ -384,5 +389,4 @@ def mmcc_delta(
     return PrivacyResult(float(epsilon), float(delta), noise_std, noise_std / col, "mmcc",
                          {"delta_mmcc": float(worst), "delta_unamplified": float(delta_unamp),
                           "delta_renyi": float(delta_renyi), "blocks": blocks,
-                          "binding": min((("mmcc", worst), ("renyi", delta_renyi), ("unamplified", delta_unamp)),
-                                         key=lambda kv: kv[1])[0]})
+                          "binding": _binding(mmcc=worst, renyi=delta_renyi, unamplified=delta_unamp)})
