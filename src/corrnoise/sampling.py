@@ -173,12 +173,12 @@ class BlockCyclicPoissonSampler(BatchSampler):
 
     Every example draws its block once, uniformly and independently of the others (seeded);
     step t Poisson-samples block t mod ``blocks`` with rate p, so the expected batch size is
-    p N / blocks. Independent draws, not a split of one shuffle into equal blocks: with a split,
-    zero-out adjacency (tutorial Def. 3.5) holds but under add/remove adding an example moves others
-    to other blocks (N = 4, 2 blocks: one added example leaves
-    a block with 3 of the others in 2 of 5 draws), so neighbouring datasets would differ in more
-    than the added example's rounds, which every block-cyclic analysis (tutorial Thm 3.21, MMCC,
-    the Renyi bound) assumes. ``accounting = "block-cyclic:BLOCKS:P"``; an
+    p N / blocks. Independent draws, not a split of one shuffle into equal blocks: a split keeps
+    zero-out adjacency (tutorial Def. 3.5), but under add/remove an added example moves others to
+    other blocks (N = 4, 2 blocks: a block ends up with 3 of the others in 2 of 5 draws), so
+    neighbouring datasets would differ in more than the added example's rounds, which every
+    block-cyclic analysis (tutorial Thm 3.21, MMCC, the Renyi bound) assumes.
+    ``accounting = "block-cyclic:BLOCKS:P"``; an
     example can only appear in steps congruent to its block, so without amplification the
     schema is ``minsep:ceil(n/BLOCKS):BLOCKS``. ``blocks = 1`` is plain Poisson sampling.
     """
