@@ -206,3 +206,12 @@ def test_a_block_whose_columns_are_zero_is_left_out():
     only = mmcc_epsilon(c, None, 0.5, 1.0, 1e-5, blocks=3, offsets=[0])
     assert res.epsilon == only.epsilon and math.isfinite(res.epsilon)
     assert mmcc_delta(c, None, 0.5, 1.0, 2.0, blocks=3).delta < 1.0
+
+
+def test_bad_inputs_get_one_line_errors_naming_the_parameter():
+    from corrnoise.errors import CorrnoiseError
+
+    with pytest.raises(CorrnoiseError, match="^p: must be in"):
+        bernoulli_subgaussian_variance(1.5)
+    with pytest.raises(CorrnoiseError, match="^t: must be finite"):
+        quadratic_form_log_mgf_bound(np.eye(2), 0.1, -1.0)

@@ -45,6 +45,8 @@ import math
 import numpy as np
 from scipy.optimize import minimize_scalar
 
+from ...errors import CorrnoiseError
+
 __all__ = ["bernoulli_subgaussian_variance", "quadratic_form_log_mgf_bound", "mixture_rdp", "mixture_rdp_epsilon",
            "mixture_rdp_delta", "RENYI_ORDERS"]
 
@@ -61,7 +63,7 @@ def bernoulli_subgaussian_variance(p: float) -> float:
     s^2 = (1 - 2p) / (2 log((1 - p) / p)), and s^2 = 1/4 at p = 1/2 (Kearns & Saul 1998;
     Buldygin & Moskvichova 2013, Thm 2.1). tests/test_mmcc_renyi.py checks it on a grid."""
     if not 0.0 < p < 1.0:
-        raise ValueError("p must be in (0, 1)")
+        raise CorrnoiseError("p", f"must be in (0, 1), got {p!r}")
     if abs(p - 0.5) < 1e-12:
         return 0.25
     # log((1 - p) / p) without cancellation: near 1/2 as log1p((1 - 2p) / p); for small p as
@@ -98,7 +100,7 @@ def quadratic_form_log_mgf_bound(gram: np.ndarray, p: float, t: float, *, eigenv
     padded against float64 rounding.
     """
     if t < 0.0 or not math.isfinite(t):
-        raise ValueError("t must be finite and >= 0")
+        raise CorrnoiseError("t", f"must be finite and >= 0, got {t!r}")
     gram = np.asarray(gram, dtype=np.float64)
     if t == 0.0:
         return 0.0
