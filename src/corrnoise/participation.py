@@ -30,6 +30,7 @@ __all__ = [
     "Cyclic",
     "MinSep",
     "parse_participation",
+    "covers",
 ]
 
 _PARAM = "participation"
@@ -244,3 +245,19 @@ def parse_participation(spec) -> Participation:
         values.append(int(p))
     kind = Cyclic if parts[0] == "cyclic" else MinSep
     return kind(values[0], values[1])
+
+
+def covers(accounted: Participation | str, actual: Participation | str) -> bool:
+    """Whether every pattern of schema ``actual`` is allowed by ``accounted``, up to sub-patterns:
+    then a guarantee computed for ``accounted`` (a worst case over its patterns) holds for a run
+    whose examples participate as ``actual``. A sub-pattern is dominated by its pattern under
+    zero-out adjacency (the other steps' gradients may be zero, Def. 3.12), so one participation
+    (``single``, or k = 1) is covered by every schema, and b-min-sep with k participations
+    (Def. 3.14) covers every cyclic or min-sep schema with at most k participations at least b
+    apart. Anything else only by the same spec."""
+    accounted, actual = parse_participation(accounted), parse_participation(actual)
+    if accounted.spec == actual.spec or isinstance(actual, Single) or getattr(actual, "k", None) == 1:
+        return True
+    if isinstance(accounted, MinSep) and isinstance(actual, (Cyclic, MinSep)):
+        return actual.b >= accounted.b and actual.k <= accounted.k
+    return False

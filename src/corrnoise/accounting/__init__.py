@@ -40,7 +40,7 @@ from .base import (
 )
 from .event import MechanismEvent
 from .account import account
-from .gate import choose_method, prepare
+from .gate import RUN_IDENTITY_KEYS, choose_method, prepare, run_identity, run_mismatch
 from .calibrate import calibrate, calibrate_noise
 from .gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
 from .dpsgd import dpsgd_epsilon, dpsgd_event  # noqa: E402  (the DP-SGD numbers)
@@ -51,5 +51,5 @@ __all__ = [
     "NoBatching", "Poisson", "PrivacyResult", "account", "calibrate", "calibrate_noise", "choose_method", "column_norm",
     "dpsgd_epsilon", "dpsgd_equivalent", "dpsgd_event", "gaussian_delta", "gaussian_epsilon", "gaussian_mu",
     "get_method", "method_available", "parse_batching", "prepare", "register_method", "registered_methods",
-    "resolve_noise_std",
+    "resolve_noise_std", "RUN_IDENTITY_KEYS", "run_identity", "run_mismatch",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CorrnoiseError
+from ..participation import covers
 from .base import (
     BallsInBins,
     Batching,
@@ -34,7 +35,7 @@ from .base import (
 from .event import MechanismEvent, as_event
 from .preconditions import Violation, first_violation
 
-__all__ = ["AUTO_CANDIDATES", "choose_method", "prepare", "check_event", "noisy_event"]
+__all__ = ["AUTO_CANDIDATES", "choose_method", "prepare", "check_event", "noisy_event", "run_identity", "run_mismatch", "RUN_IDENTITY_KEYS"]
 
 #: ``--method auto``: the methods tried, in order, for each kind of batching.
 AUTO_CANDIDATES: dict[type, tuple[str, ...]] = {
@@ -118,10 +119,51 @@ def noisy_event(event_or_strategy, batching=None, noise_std: Any = None, noise_m
     return as_event(event_or_strategy, batching).with_noise(nu)
 
 
-def _annotate(result: PrivacyResult, event: MechanismEvent) -> PrivacyResult:
-    """``result`` with the event's mechanism label, n and batching in its extras."""
+def run_identity(event: MechanismEvent) -> dict[str, Any]:
+    """What identifies the run an event describes, by content: the mechanism's fingerprint
+    (:func:`~corrnoise.strategies.mechanism_fingerprint` of the accounted C), its n, the batching
+    spec and, for unamplified ``none`` batching, the participation schema (``none`` alone says
+    nothing about how often an example participates). The label is for people, not identity."""
+    from ..strategies import mechanism_fingerprint
+
     mechanism = event.mechanism
-    context = {"mechanism": mechanism.label, "n": int(mechanism.n), "batching": event.batching.spec}
+    identity = {"fingerprint": mechanism_fingerprint(mechanism), "n": int(mechanism.n),
+                "batching": event.batching.spec}
+    if isinstance(event.batching, NoBatching):
+        identity["participation"] = event.batching.participation.spec
+    return identity
+
+
+#: the fields of :func:`run_identity`: a privacy result is of a run iff all of them match
+RUN_IDENTITY_KEYS = ("fingerprint", "n", "batching", "participation")
+
+
+def run_mismatch(result: PrivacyResult, identity: dict[str, Any]) -> str | None:
+    """How ``result`` was computed for another run than the one ``identity``
+    (:func:`run_identity`) describes -- the first differing field, said for people -- or None
+    when it is this run's (its participation schema may be wider: :func:`~corrnoise.participation.covers`). A result that carries no fingerprint (computed by hand, or before
+    results carried one) identifies no mechanism and is never taken for this run's."""
+    theirs = result.extras
+    for key in RUN_IDENTITY_KEYS:
+        if theirs.get(key) == identity.get(key):
+            continue
+        if key == "participation" and isinstance(theirs.get(key), str) and isinstance(identity.get(key), str) \
+                and covers(theirs[key], identity[key]):
+            continue  # a guarantee over a wider schema holds for this run's
+        if key == "fingerprint":
+            if not isinstance(theirs.get(key), str):
+                return "an unidentified mechanism (the result carries no mechanism fingerprint)"
+            same = " (same label, other C)" if theirs.get("mechanism") == identity.get("mechanism") else ""
+            return (f"another mechanism: {theirs.get('mechanism')!s} with fingerprint {theirs[key][:12]}, this run's "
+                    f"is {identity.get('mechanism')!s} with {str(identity.get(key))[:12]}{same}")
+        return f"{key} = {theirs.get(key)!r}, this run has {identity.get(key)!r}"
+    return None
+
+
+def _annotate(result: PrivacyResult, event: MechanismEvent) -> PrivacyResult:
+    """``result`` with the event's mechanism label (unless the method named it) and its
+    :func:`run_identity` (always the event's) in its extras."""
+    extras = {**result.extras, "mechanism": result.extras.get("mechanism", event.mechanism.label),
+              **run_identity(event)}
     return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, result.method,
-                         {**result.extras, **{k: v for k, v in context.items() if k not in result.extras}},
-                         result.kind)
+                         extras, result.kind)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import CorrnoiseError, check_int
 from .base import Strategy
 from .colnorm import ColumnNormalized
-from .kinds import kind_class
+from .kinds import KINDS, kind_class
 
 FORMAT = "corrnoise.mechanism"
 VERSION = 1
@@ -64,14 +64,25 @@ def save_mechanism(
 
 
 def mechanism_fingerprint(strategy: Strategy) -> str:
-    """SHA-256 of everything that defines the mechanism (kind, n, column normalization, parameters,
-    arrays): equal fingerprints, same C. Labels are not enough (every 2-buffer BLT is ``blt(d=2)``)."""
+    """SHA-256 of everything that defines the mechanism: equal fingerprints, same C (and same
+    noise stream). Labels are not enough (every 1-buffer BLT is ``blt(d=1)``, every dense C
+    ``dense``): identity is by content.
+
+    A registered kind (:data:`~corrnoise.strategies.kinds.KINDS`) is defined by its kind, n,
+    column normalization, :meth:`~Strategy.params` and :meth:`~Strategy.arrays` (what its
+    mechanism file stores and ``from_params`` rebuilds exactly). Any other Strategy -- a subclass
+    outside the registry, whose parameters the registry cannot vouch for -- is fingerprinted by
+    its class and its materialized C, so two different C can never share a fingerprint."""
     base = strategy.base if isinstance(strategy, ColumnNormalized) else strategy
     h = hashlib.sha256()
+    registered = KINDS.get(getattr(base, "kind", None)) is type(base)
     head = {"kind": base.kind, "n": int(strategy.n), "column_normalized": isinstance(strategy, ColumnNormalized),
             "params": base.params()}
+    if not registered:
+        head["class"] = f"{type(base).__module__}.{type(base).__qualname__}"
     h.update(json.dumps(head, sort_keys=True, default=lambda o: np.asarray(o, dtype=np.float64).tolist()).encode())
-    for key, value in sorted(base.arrays().items()):
+    arrays = base.arrays() if registered else {**base.arrays(), "matrix()": base.matrix()}
+    for key, value in sorted(arrays.items()):
         h.update(key.encode())
         h.update(np.ascontiguousarray(value, dtype=np.float64).tobytes())
     return h.hexdigest()

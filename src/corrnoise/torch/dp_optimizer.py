@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..accounting import PrivacyResult
+from ..accounting import RUN_IDENTITY_KEYS, PrivacyResult, run_identity, run_mismatch
 from ..errors import CorrnoiseError, check_int
 from ..sampling import _SEED_MAX, BatchSampler
 from ..strategies import Strategy, mechanism_fingerprint
@@ -327,33 +327,22 @@ class DPOptimizer(torch.optim.Optimizer):
         self.context.current_step = None
 
 
-#: what a privacy result says it accounted (in its extras): a result is of this run iff all match
-_RUN_KEYS = ("mechanism", "n", "batching")
-
-
-def _run_mismatch(result: PrivacyResult, mine: dict[str, Any]) -> str | None:
-    """The first of :data:`_RUN_KEYS` in which ``result`` was computed for another run than ``mine``
-    ("KEY = THEIRS, this run has MINE"), or None."""
-    for key in _RUN_KEYS:
-        if result.extras.get(key) != mine.get(key):
-            return f"{key} = {result.extras.get(key)!r}, this run has {mine.get(key)!r}"
-    return None
-
-
 def _same_run(result: PrivacyResult, reference: PrivacyResult) -> str | None:
-    """Where two calibrations differ in run (:func:`_run_mismatch`) or accounting method (None: same run)."""
-    why = _run_mismatch(result, reference.extras)
+    """Where two calibrations differ in run (:func:`~corrnoise.accounting.run_mismatch`, by
+    content) or accounting method (None: same run)."""
+    why = run_mismatch(result, {"mechanism": reference.extras.get("mechanism"),
+                                **{k: reference.extras.get(k) for k in RUN_IDENTITY_KEYS}})
     if why is None and result.method != reference.method:
         why = f"accounting method = {result.method!r}, this run has {reference.method!r}"
     return why
 
 
 def _matching_guarantee(guarantee: PrivacyResult, agreement, delta: float) -> PrivacyResult:
-    """``guarantee`` if it is the accounting of exactly this run (mechanism, steps, batching,
-    delta), else a one-line error naming what differs."""
+    """``guarantee`` if it is the accounting of exactly this run (the mechanism by its
+    fingerprint, steps, batching and participation: :func:`~corrnoise.accounting.run_identity`;
+    delta no larger), else a one-line error naming ``guarantee`` and what differs."""
     event = agreement.event
-    why = _run_mismatch(guarantee, {"mechanism": event.mechanism.label, "n": int(event.mechanism.n),
-                                    "batching": agreement.batching.spec})
+    why = run_mismatch(guarantee, {"mechanism": event.mechanism.label, **run_identity(event)})
     if why is not None:
         raise CorrnoiseError("guarantee", f"was computed for {why}")
     if guarantee.delta > delta:

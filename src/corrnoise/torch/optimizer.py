@@ -36,7 +36,7 @@ from ..accounting import (
 from ..accounting.base import require_guarantee
 from ..accounting.event import leading_strategy
 from ..errors import CorrnoiseError, check_int, check_real
-from ..participation import Cyclic, MinSep, Single, parse_participation
+from ..participation import covers, parse_participation
 from ..sampling import (
     BallsInBinsSampler,
     BatchSampler,
@@ -77,20 +77,6 @@ def _same_batching(a, b) -> bool:
     if isinstance(a, BallsInBins):
         return a.bins == b.bins
     return True
-
-
-def _participation_covers(accounted, actual) -> bool:
-    """Whether every pattern of the sampler's schema ``actual`` is allowed by ``accounted``."""
-    if accounted.spec == actual.spec:
-        return True
-    if isinstance(accounted, MinSep):
-        if isinstance(actual, (Cyclic, MinSep)):
-            return actual.b >= accounted.b and actual.k <= accounted.k
-        if isinstance(actual, Single):
-            return True
-    if isinstance(actual, Single):
-        return True  # one participation is allowed by every schema
-    return False
 
 
 def check_agreement(
@@ -146,7 +132,7 @@ def check_agreement(
                 f"{own.spec}; account with --batching {own.spec} or use a matching sampler")
         if isinstance(chosen, NoBatching):
             actual = parse_participation(sampler.participation)
-            if not _participation_covers(chosen.participation, actual):
+            if not covers(chosen.participation, actual):
                 raise CorrnoiseError(
                     "participation", f"the accounting assumes {chosen.participation.spec} but the sampler's "
                     f"examples participate as {actual.spec}; use participation {actual.spec}")
