@@ -71,7 +71,7 @@ from ..errors import CorrnoiseError, check_int
 
 __all__ = [
     "DEFAULT_CHUNK", "SEED_BITS", "new_secret_seed", "check_seed", "derive_key", "block_counter",
-    "block_words", "torch_coordinate_source", "scratch_bytes", "philox4x32", "seed_noise", "fill_seed_noise", "fill_noise_combination",
+    "block_words", "seed_commitment", "torch_coordinate_source", "scratch_bytes", "philox4x32", "seed_noise", "fill_seed_noise", "fill_noise_combination",
 ]
 
 #: Coordinates per counter block (1 MiB in float32; fastest of 2^15..2^20 by measurement).
@@ -107,6 +107,17 @@ def derive_key(seed: int) -> bytes:
     raw = seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "little")
     data = len(raw).to_bytes(8, "little") + raw
     return hashlib.blake2b(data, digest_size=32, person=_PERSON).digest()
+
+
+def seed_commitment(seed: int) -> str:
+    """A public name of a secret seed: BLAKE2b-256 of the seed's encoding in :func:`derive_key`
+    under another personalization (``corrnoise-seedid``), hex. It tells whether two seeds are
+    equal (a checkpoint saved without its noise seed says which seed resumes it) and reveals
+    nothing usable about a 256-bit secret seed or the key derived from it; a small seed given
+    by hand is found by trying, as is the seed itself (given seeds are for experiments)."""
+    seed = check_seed(seed)
+    raw = seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "little")
+    return hashlib.blake2b(len(raw).to_bytes(8, "little") + raw, digest_size=32, person=b"corrnoise-seedid").hexdigest()
 
 
 def _cpu_key(seed: int) -> list[int]:

@@ -10,6 +10,7 @@ import torch
 from ..accounting import RUN_IDENTITY_KEYS, PrivacyResult, run_identity, run_mismatch
 from ..errors import CorrnoiseError, check_int
 from ..sampling import _SEED_MAX, BatchSampler
+from ..noise.seeds import seed_commitment
 from ..strategies import Strategy, mechanism_fingerprint
 from .loader import _StepContext
 from .optimizer import balls_in_bins_accounted_steps, privacy_spent
@@ -225,19 +226,19 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self.store_noise_seed:
             noise = {**noise, "generator": {k: v for k, v in noise["generator"].items() if k != "seed"}}
         return {"corrnoise": 1, "original": self.original.state_dict(), "noise": noise,
+                "noise_seed_id": seed_commitment(self.privatizer.generator.seed),
                 "steps_taken": self.steps_taken, "sampler": self._sampler_state(),
                 "calibration": None if self.calibration is None else self.calibration.to_dict(),
-                "mechanism": mechanism_fingerprint(self.strategy)}
+                "mechanism": mechanism_fingerprint(self.strategy), "batching": self.batching.spec}
 
-    def _resumed_calibration(self, saved: dict[str, Any] | None, saved_noise_std,
-                             same_mechanism: bool) -> PrivacyResult | None:
+    def _resumed_calibration(self, saved: dict[str, Any] | None, saved_noise_std) -> PrivacyResult | None:
         """The checkpoint's calibration when this run must adopt it, else None.
 
         A Monte Carlo calibration (balls-in-bins) draws fresh samples, so the same ``epsilon=``
         gives a slightly other verified noise_std in the resumed process; the run must go on with
         the noise its first steps used. That noise is adopted only if its guarantee is one of
-        *this* run: the same mechanism (``same_mechanism``: the checkpoint's fingerprint of C
-        matched, see :meth:`load_state_dict`), kind guarantee, same steps, batching and method,
+        *this* run: the same mechanism (by content, :func:`~corrnoise.accounting.run_mismatch`; the
+        checkpoint's fingerprint of C matched already, see :meth:`load_state_dict`), kind guarantee, same steps, batching and method,
         delta and epsilon no larger than this run's calibration. Any other mismatch is refused."""
         if saved_noise_std is None or math.isclose(float(saved_noise_std), self.noise_std, rel_tol=1e-12, abs_tol=0.0):
             return None
@@ -245,8 +246,6 @@ class DPOptimizer(torch.optim.Optimizer):
         why = "this run's noise was given (noise_std, noise_multiplier or guarantee), not calibrated" if mine is None \
             or mine.method != "mc" else None
         result = None
-        if why is None and not same_mechanism:
-            why = "the checkpoint does not identify its mechanism (saved before fingerprints)"
         if why is None:
             if not isinstance(saved, dict):
                 why = "the checkpoint stores no calibration"
@@ -267,6 +266,32 @@ class DPOptimizer(torch.optim.Optimizer):
                                  f"run's {self.noise_std!r}: {why}")
         return result
 
+    def _resumed_noise_seed(self, saved: int | None, saved_id: str | None) -> int:
+        """The noise seed that continues the checkpoint's noise stream (a fresh seed would restart
+        C^-1 Z mid-run with other rows: the noise of the two halves would not be C^-1 Z's).
+
+        Stored in the checkpoint (``store_noise_seed``): adopted when this run's seed was drawn
+        from the OS (a new process), else it must equal the given ``noise_seed``. Not stored: this
+        run's own seed continues it if it is the checkpoint's (its public ``noise_seed_id``: the
+        same process, or the original seed passed again as ``noise_seed``); otherwise one line
+        says what to pass."""
+        mine, given = self.privatizer.generator.seed, getattr(self, "noise_seed_given", True)
+        if saved is not None:
+            if saved != mine and given:
+                raise CorrnoiseError("noise_seed", "differs from the one stored in the checkpoint: leave noise_seed "
+                                     "unset to resume with the checkpoint's, or pass that one")
+            return saved
+        if saved_id is not None and saved_id == seed_commitment(mine):
+            return mine
+        if saved_id is None and given:  # a checkpoint that names no seed: the given one is taken on trust
+            return mine
+        if given:
+            raise CorrnoiseError("noise_seed", "is not the seed of the checkpoint's run: pass that run's "
+                                 "optimizer.noise_seed")
+        raise CorrnoiseError("noise_seed", "the checkpoint does not store the noise seed (saved without "
+                             "store_noise_seed=True): pass the original run's optimizer.noise_seed to make_private "
+                             "as noise_seed= to resume")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: same sampler (description and seed: a sampler seed drawn
         from the OS is replaced by the checkpoint's, a given one must match it), same noise seed
@@ -276,9 +301,15 @@ class DPOptimizer(torch.optim.Optimizer):
         if not isinstance(state, dict) or state.get("corrnoise") != 1:
             raise CorrnoiseError("state", "not a checkpoint of a corrnoise DPOptimizer")
         saved_mechanism = state.get("mechanism")
-        if saved_mechanism is not None and saved_mechanism != mechanism_fingerprint(self.strategy):
+        if saved_mechanism is None:
+            raise CorrnoiseError("state", "the checkpoint does not identify its mechanism (no fingerprint: saved "
+                                 "before corrnoise 0.2); its noise rows cannot be checked to be this run's")
+        if saved_mechanism != mechanism_fingerprint(self.strategy):
             raise CorrnoiseError("mechanism", "differs from the checkpoint's (another C: its noise rows and its "
                                  "guarantee are not this run's); resume with the checkpoint's mechanism")
+        if state.get("batching", self.batching.spec) != self.batching.spec:
+            raise CorrnoiseError("batching", f"the checkpoint's run used {state['batching']} batching, this run "
+                                 f"{self.batching.spec}")
         mine, saved = self._sampler_state(), state.get("sampler")
         adopt_seed = None
         if mine != saved and isinstance(saved, dict) and isinstance(mine, dict) \
@@ -296,19 +327,10 @@ class DPOptimizer(torch.optim.Optimizer):
                                  "rebuild it with the checkpoint's seed (state['sampler']['seed'])")
         noise = dict(state["noise"])
         generator = dict(noise["generator"])
-        if "seed" not in generator:
-            if not getattr(self, "noise_seed_given", True):
-                # a fresh secret seed would continue the run with other noise rows than C^-1 Z's
-                raise CorrnoiseError("noise_seed", "the checkpoint does not store the noise seed; pass the original "
-                                     "run's (its optimizer.noise_seed) to make_private to resume")
-            generator["seed"] = self.privatizer.generator.seed
-        elif generator["seed"] != self.privatizer.generator.seed:
-            raise CorrnoiseError("noise_seed", "differs from the checkpoint's: pass the checkpoint's noise seed to "
-                                 "make_private (a fresh seed would restart the noise stream mid-run)")
+        generator["seed"] = self._resumed_noise_seed(generator.get("seed"), state.get("noise_seed_id"))
         noise["generator"] = generator
         steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
-        calibration = self._resumed_calibration(state.get("calibration"), generator.get("noise_std"),
-                                                saved_mechanism is not None)
+        calibration = self._resumed_calibration(state.get("calibration"), generator.get("noise_std"))
         previous = self.privatizer.noise_std
         if calibration is not None:
             self.privatizer.adopt_noise_std(calibration.noise_std)
