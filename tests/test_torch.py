@@ -170,7 +170,9 @@ def test_helper_three_lines_spent_epsilon_and_no_step_past_the_plan(make_opt):
     half = run.privacy_spent(steps=3)
     assert 0.0 < half.epsilon < spent.epsilon
     assert run.privacy_spent(steps=0).epsilon == 0.0
-    assert list(run.data_loader) == []  # the loader yields no batch past the plan
+    with pytest.raises(CorrnoiseError) as e:  # the loader yields no batch past the plan, and says so
+        list(run.data_loader)
+    _one_line(e, "epochs")
     with pytest.raises(CorrnoiseError) as e:  # nor does the optimizer take a step with an old one
         run.step(*batches[0])
     _one_line(e, "steps")
@@ -595,14 +597,16 @@ def test_privacy_engine_takes_no_more_private_steps_than_planned():
         noise_multiplier=1.0, max_grad_norm=1.0, mechanism=Identity(30), batching=PoissonSampler(40, 0.2, 5, seed=1),
         accounting_options={"discretization": 1e-3})
     updates, last = 0, None
-    for _ in range(2):
-        for x, y in loader:
-            before = model.weight.detach().clone()
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            updates += int(not torch.equal(before, model.weight.detach()))
-            last = (x, y)
+    for x, y in loader:
+        before = model.weight.detach().clone()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        updates += int(not torch.equal(before, model.weight.detach()))
+        last = (x, y)
+    with pytest.raises(CorrnoiseError) as e:  # a second pass yields no batch, and says so
+        next(iter(loader))
+    _one_line(e, "epochs")
     assert updates == 5
     optimizer.zero_grad()
     F.cross_entropy(model(last[0]), last[1]).backward()

@@ -8,6 +8,8 @@ non-zero instead of showing a traceback (docs/cli.md, "Command-line contract").
 from __future__ import annotations
 
 import math
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -45,7 +47,11 @@ def check_real(
     low_open: bool = False,
     high_open: bool = False,
 ) -> float:
-    """Return ``value`` as a finite float inside the given interval, or raise naming ``name``."""
+    """Return ``value`` as a finite float inside the given interval, or raise naming ``name``.
+    Text and booleans are not numbers here (``"4"`` for epsilon is a mistake to report, not to
+    convert; parsers convert their own fields first)."""
+    if isinstance(value, (str, bytes, bool, np.bool_)):
+        raise CorrnoiseError(name, f"must be a number, got {value!r}")
     try:
         x = float(value)
     except (TypeError, ValueError):
@@ -74,3 +80,17 @@ def check_finite_array(name: str, value: Any, ndim: int | None = None) -> np.nda
     if not np.all(np.isfinite(arr)):
         raise CorrnoiseError(name, "contains NaN or infinite entries")
     return arr
+
+
+def user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for its caller, of the first frame outside corrnoise and
+    torch: a warning names the user's line (also through make_private_run, train, the Opacus
+    adapter or torch's optimizer-step wrappers)."""
+    inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    torch_module = sys.modules.get("torch")  # loaded by whoever trains; this module does not need it
+    if getattr(torch_module, "__file__", None):
+        inside.append(os.path.dirname(os.path.abspath(torch_module.__file__)) + os.sep)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
+        frame, level = frame.f_back, level + 1
+    return level

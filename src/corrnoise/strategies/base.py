@@ -117,6 +117,10 @@ class Strategy(ABC):
             raise CorrnoiseError(name, f"must have {rows} rows (one per step), got shape {x.shape}")
         return x
 
+    def __repr__(self) -> str:
+        """Class, label and n, for people (identity is :func:`~corrnoise.strategies.mechanism_fingerprint`)."""
+        return f"{type(self).__name__}({self.label!r}, n={self.n})"
+
     # --- persistence -------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
         """JSON-able parameters that rebuild this strategy with :meth:`from_params`."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 
 from ..accounting import RUN_IDENTITY_KEYS, PrivacyResult, run_identity, run_mismatch
-from ..errors import CorrnoiseError, check_int
+from ..errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from ..sampling import _SEED_MAX, BatchSampler
 from ..noise.seeds import seed_commitment
 from ..strategies import Strategy, mechanism_fingerprint
@@ -17,6 +18,10 @@ from .optimizer import balls_in_bins_accounted_steps, privacy_spent
 from .privatizer import Privatizer
 
 __all__ = ["DPOptimizer"]
+
+
+#: ``nan_policy=``: what a step does with examples whose gradient is not finite
+NAN_POLICIES = ("warn", "raise")
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -34,7 +39,7 @@ class DPOptimizer(torch.optim.Optimizer):
                  batching: Any, delta: float, steps: int, accounting_method: str = "auto",
                  accounting_options: dict[str, Any] | None = None, sampler: BatchSampler | None = None,
                  context: _StepContext | None = None, store_noise_seed: bool = False,
-                 calibration: PrivacyResult | None = None):
+                 calibration: PrivacyResult | None = None, nan_policy: str = "warn"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise CorrnoiseError("optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DPOptimizer):
@@ -64,9 +69,14 @@ class DPOptimizer(torch.optim.Optimizer):
         self.calibration = calibration
         self.steps_taken = 0
         self.last_stats: dict[str, Any] = {}
+        if nan_policy not in NAN_POLICIES:
+            raise CorrnoiseError("nan_policy", f"must be one of {', '.join(NAN_POLICIES)}, got {nan_policy!r}")
+        self.nan_policy = nan_policy
+        self._run_guarantees: dict[float, PrivacyResult] = {}
         self._sums: list[torch.Tensor] | None = None
         self._count = 0
         self._clipped = 0
+        self._nonfinite = 0
 
     # --- torch.optim surface ------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -166,6 +176,9 @@ class DPOptimizer(torch.optim.Optimizer):
         real = self.context.mask.sum() if self.context.mask is not None else size
         self._count += int(real)
         self._clipped += int((norms > self.max_grad_norm).sum()) if norms.numel() else 0
+        if norms.numel():
+            real_norms = norms if self.context.mask is None else norms[self.context.mask.to(norms.device) > 0]
+            self._nonfinite += int((~torch.isfinite(real_norms)).sum())
         self.context.size = None
         self.context.mask = None
 
@@ -180,6 +193,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._accumulate()
         if self.context.more_micro_batches:
             return loss
+        if self._nonfinite:
+            self._report_nonfinite()
         with torch.no_grad():
             noisy = self.privatizer.privatize(self._sums)
             for p, g in zip(self.params, noisy):
@@ -190,25 +205,73 @@ class DPOptimizer(torch.optim.Optimizer):
         if global_counts is not None:
             count, clipped = global_counts(count, clipped)
         self.last_stats = {"count": count, "clipped": clipped}
-        self._sums, self._count, self._clipped = None, 0, 0
+        self._sums, self._count, self._clipped, self._nonfinite = None, 0, 0, 0
         self.context.clear_batch()
         self.context.current_step = None
         self.steps_taken += 1
         self.context.next_step = self.steps_taken
         return loss
 
+    def _report_nonfinite(self) -> None:
+        """Examples whose gradient is NaN or inf (a NaN loss, an overflow) get clip factor 0, so
+        they leave the update (a whole non-finite batch leaves a noise-only update): never
+        silently. ``nan_policy="warn"`` (default) warns and takes the step (its noise row and
+        privacy are spent); ``"raise"`` refuses the step before any noise is added. Either says
+        how many examples, which is about the data: keep training logs as private as it."""
+        bad, total, step = self._nonfinite, self._count, self.steps_taken
+        what = (f"step {step}: {bad} of {total} examples had a non-finite gradient (NaN/inf loss or overflow) and "
+                "were left out of the update")
+        if self.nan_policy == "raise":
+            self._sums, self._count, self._clipped, self._nonfinite = None, 0, 0, 0
+            self.context.clear_batch()
+            raise CorrnoiseError("loss", f"{what}; the step was not taken (nan_policy='raise'): lower the learning "
+                                 "rate or check the loss")
+        warnings.warn(f"{what}; the step was taken{' as noise only' if bad >= total else ''} and its privacy spent. "
+                      "Lower the learning rate or check the loss; nan_policy='raise' stops the run instead",
+                      RuntimeWarning, stacklevel=user_stacklevel())
+
     # --- privacy -----------------------------------------------------------------------------
-    def privacy_spent(self, steps: int | None = None, **options: Any) -> PrivacyResult:
-        """(epsilon, delta) of the steps taken so far (or ``steps``) by the accounting that
-        calibrated the noise (a guarantee). Zero steps: epsilon 0."""
+    def privacy_spent(self, steps: int | None = None, *, delta: float | None = None, **options: Any) -> PrivacyResult:
+        """The (epsilon, delta) guarantee for what was released so far, instantly.
+
+        Without arguments: the guarantee of the whole planned run (the one the noise was
+        calibrated to, else accounted once and kept), which bounds every prefix of it -- the
+        first k released updates are a post-processing of all of them (noise row t of C^-1 Z
+        depends only on rows <= t of Z). ``extras["scope"]`` says ``"run"``. ``delta``: at
+        another delta (accounted once per delta). Zero steps taken: epsilon 0.
+
+        ``steps=k`` or accounting options ask for the tighter guarantee of the first k steps
+        alone (accounted now: seconds to minutes for Monte Carlo), ``extras["scope"]`` ``"prefix"``."""
+        if steps is None and not options:
+            if self.steps_taken == 0:
+                return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std,
+                                     delta=self.delta if delta is None else delta, steps=0)
+            return self.run_guarantee(delta).with_extras(steps=int(self.steps_taken), accounted_steps=int(self.steps),
+                                                         scope="run")
         k = self.steps_taken if steps is None else check_int("steps", steps, minimum=0, maximum=self.steps)
-        if self.calibration is not None and not options and _accounted_steps(self.batching, k) == self.steps:
+        d = self.delta if delta is None else check_real("delta", delta, low=0.0, high=1.0, low_open=True,
+                                                        high_open=True)
+        if self.calibration is not None and not options and d == self.delta \
+                and _accounted_steps(self.batching, k) == self.steps:
             # the run the noise was calibrated for: its guarantee (a Monte Carlo one was verified on
             # a fresh sample; accounting it again would draw new samples and a slightly other epsilon)
-            return self.calibration.with_extras(steps=int(k), accounted_steps=int(self.steps))
-        return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=self.delta, steps=k,
+            return self.calibration.with_extras(steps=int(k), accounted_steps=int(self.steps), scope="prefix")
+        return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=d, steps=k,
                              planned_steps=self.steps, method=self.accounting_method,
-                             **{**self.accounting_options, **options})
+                             **{**self.accounting_options, **options}).with_extras(scope="prefix")
+
+    def run_guarantee(self, delta: float | None = None) -> PrivacyResult:
+        """The guarantee of the whole planned run (all ``steps``) at ``delta`` (default the run's):
+        the calibration when the noise was calibrated at that delta, else accounted once and kept."""
+        d = self.delta if delta is None else check_real("delta", delta, low=0.0, high=1.0, low_open=True,
+                                                        high_open=True)
+        if self.calibration is not None and d == self.delta:
+            return self.calibration
+        if d not in self._run_guarantees:
+            self._run_guarantees[d] = privacy_spent(
+                self.strategy, self.batching, noise_std=self.noise_std, delta=d, steps=self.steps,
+                planned_steps=self.steps, method=self.accounting_method, **self.accounting_options)
+        return self._run_guarantees[d]
 
     # --- checkpoints -----------------------------------------------------------------------------
     def _sampler_state(self) -> dict[str, Any] | None:
@@ -342,6 +405,7 @@ class DPOptimizer(torch.optim.Optimizer):
             raise
         if calibration is not None:
             self.calibration = calibration
+        self._run_guarantees.clear()  # the noise may have been adopted from the checkpoint
         if adopt_seed is not None:
             self.sampler.reseed(adopt_seed)  # in place: the data loader holds the same sampler
         self.steps_taken = steps_taken

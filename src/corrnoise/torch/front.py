@@ -32,8 +32,6 @@ Every check that sampler, mechanism and accounting agree is the one gate of
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Any
 
@@ -42,7 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ..accounting import PrivacyResult
-from ..errors import CorrnoiseError, check_int, check_real
+from ..errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from ..sampling import BatchSampler
 from ..strategies import Strategy
 from .distributed import (DistributedPrivatizer, _broadcast_module, _data_parallel, _global_rank0,
@@ -50,7 +48,7 @@ from .distributed import (DistributedPrivatizer, _broadcast_module, _data_parall
 from .dp_optimizer import DPOptimizer, _matching_guarantee
 from .loader import (BATCHINGS, DPDataLoader, _loader_settings, _sampling_for, _StepContext, _steps_per_epoch,
                      choose_batching)
-from .optimizer import plan_private
+from .optimizer import check_run_size, plan_private
 from .privatizer import Privatizer
 
 __all__ = ["DPOptimizer", "DPDataLoader", "make_private", "choose_batching", "plan_mechanism", "BATCHINGS"]
@@ -79,6 +77,7 @@ def make_private(
     seed: int | None = None,
     noise_seed: int | None = None,
     store_noise_seed: bool = False,
+    nan_policy: str = "warn",
     accounting_method: str = "auto",
     accounting_options: dict[str, Any] | None = None,
     noise_method: str = "auto",
@@ -112,7 +111,8 @@ def make_private(
     secret seed from the OS) for any real release. ``optimizer.state_dict()`` always holds the
     sampler seed (a resumed run reuses it) and, for stateful mechanisms, recent noise rows: keep
     checkpoints of the optimizer as private as the data. ``store_noise_seed``: put the noise
-    seed there too.
+    seed there too. ``nan_policy``: examples whose gradient is NaN/inf are left out of the update
+    (clip factor 0); ``"warn"`` (default) warns and takes the step, ``"raise"`` refuses it.
 
     ``distributed``: data-parallel training over a torch.distributed process group; ``None``
     (default) turns it on for a :class:`~torch.nn.parallel.DistributedDataParallel` module (its
@@ -158,6 +158,8 @@ def make_private(
     if max_physical_batch_size is not None:
         max_physical_batch_size = check_int("max_physical_batch_size", max_physical_batch_size, minimum=1)
     dataset, batch_size, keep, collate_fn = _loader_settings(data_loader)
+    if not isinstance(batching, BatchSampler):  # a ready sampler stands for its own size
+        check_run_size(len(dataset), batch_size, epochs, steps)
     on, group, inner = _data_parallel(module, distributed)
     rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if on else (0, 1)
     seed_given = seed is not None and not isinstance(batching, BatchSampler)
@@ -197,7 +199,7 @@ def make_private(
     if seed_given and sampler.amplified:
         warnings.warn(f"a given seed fixes the {sampler.accounting.split(':', 1)[0]} sampler: its amplified privacy "
                       "guarantee assumes the sampler seed is secret (leave seed=None, drawn from the OS, for any "
-                      "real release; a given seed is for experiments)", UserWarning, stacklevel=_user_stacklevel())
+                      "real release; a given seed is for experiments)", UserWarning, stacklevel=user_stacklevel())
     if on:
         shared = [nu, calibration]
         dist.broadcast_object_list(shared, src=_global_rank0(group), group=group)
@@ -228,7 +230,7 @@ def make_private(
                               batching=agreement.batching, delta=delta, steps=agreement.steps,
                               accounting_method=accounting_method, accounting_options=accounting_options,
                               sampler=sampler, context=context, store_noise_seed=store_noise_seed,
-                              calibration=calibration)
+                              calibration=calibration, nan_policy=nan_policy)
     except Exception:
         engine.detach()  # a refused call leaves the user's module without hooks
         raise
@@ -239,16 +241,6 @@ def make_private(
                           collate_fn=collate_fn, max_physical_batch_size=max_physical_batch_size, context=context,
                           rank=rank, world_size=world_size, **keep)
     return module, private, loader
-
-
-def _user_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel, for its caller, of the first frame outside corrnoise: a
-    warning names the user's line, also through make_private_run, train or the Opacus adapter."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 _PIPELINE_OF = {"auto": "auto", "poisson": "poisson", "block-cyclic": "poisson", "balls-in-bins": "balls-in-bins",

@@ -162,6 +162,11 @@ class DPDataLoader(DataLoader):
         return len(self._cutter)
 
     def __iter__(self):
+        if self.context.next_step >= self.corrnoise_sampler.steps:
+            # a loop longer than the plan would otherwise run on without data and say nothing
+            raise CorrnoiseError("epochs", f"all {self.corrnoise_sampler.steps} planned steps are taken: the private "
+                                 "loader has no more batches (the guarantee covers no more); loop for the epochs given "
+                                 "to make_private, or plan more")
         self._window()
         num = self.corrnoise_sampler.num_examples
         cuts = self._cutter.cuts()

@@ -34,7 +34,6 @@ import torch
 
 from ..errors import CorrnoiseError, check_real
 from .front import DPDataLoader, DPOptimizer, make_private
-from .optimizer import privacy_spent
 
 __all__ = ["PrivacyEngine"]
 
@@ -138,16 +137,15 @@ class PrivacyEngine:
                                             loss_reduction=loss_reduction))
 
     def get_epsilon(self, delta: float) -> float:
-        """Epsilon of the steps the last private optimizer has taken, at ``delta`` (a guarantee)."""
+        """Epsilon at ``delta`` of what the last private optimizer released so far, instantly: the
+        guarantee of its whole planned run, which bounds every prefix
+        (:meth:`~corrnoise.torch.DPOptimizer.privacy_spent`; accounted once per delta). The tighter
+        value of the steps taken alone: ``optimizer.privacy_spent(steps=optimizer.steps_taken)``."""
         opt = self.optimizer
         if opt is None:
             raise CorrnoiseError("optimizer", "no private optimizer yet: call make_private first")
         delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
-        if delta == opt.delta:
-            return float(opt.privacy_spent().epsilon)
-        return float(privacy_spent(opt.strategy, opt.batching, noise_std=opt.noise_std, delta=delta,
-                                   steps=opt.steps_taken, planned_steps=opt.steps, method=opt.accounting_method,
-                                   **opt.accounting_options).epsilon)
+        return float(opt.privacy_spent(delta=delta).epsilon)
 
     @property
     def steps_taken(self) -> int:

@@ -46,7 +46,7 @@ from ..sampling import (
 )
 from ..strategies import Strategy, parse_strategy
 
-__all__ = ["Agreement", "PrivatePlan", "check_agreement", "leading_strategy", "make_sampler", "plan_private",
+__all__ = ["Agreement", "PrivatePlan", "check_agreement", "check_run_size", "leading_strategy", "make_sampler", "plan_private",
            "privacy_spent"]
 
 
@@ -311,6 +311,7 @@ def plan_private(
             raise CorrnoiseError("batch_size", "give the (expected) batch size")
         if not isinstance(sampler, str):
             raise CorrnoiseError("sampler", f"must be a corrnoise sampler or one of {', '.join(SAMPLINGS)}")
+        check_run_size(num_examples, batch_size, epochs, steps)
         # the number of bands decides the sampler; a name needs n, so parse it once for the bands
         probe_steps = steps if steps is not None else max(1, int(round(
             check_real("epochs", epochs if epochs is not None else math.nan, low=0.0, low_open=True)
@@ -338,6 +339,19 @@ def plan_private(
             agreement.event.mechanism)
 
     return PrivatePlan(strategy, sampler, agreement, nu, result if epsilon is not None else None)
+
+
+def check_run_size(num_examples: int, batch_size, epochs, steps) -> None:
+    """The run's size as a user gives it: a batch no larger than the dataset, and its length
+    (``epochs`` or ``steps``); else one line naming the parameter (before anything
+    is built from them: a mechanism for 0 steps would report its own, unhelpful, limit)."""
+    b = check_int("batch_size", batch_size, minimum=1)
+    if b > num_examples:
+        raise CorrnoiseError("batch_size", f"{b} is larger than the dataset ({num_examples} examples); use a batch of "
+                             f"at most {num_examples}")
+    if epochs is None and steps is None:
+        raise CorrnoiseError("epochs", "give the run's length: epochs or steps (the mechanism and its noise are "
+                             "built for it)")
 
 
 class PrivatePlan(NamedTuple):
