@@ -22,11 +22,9 @@ import time
 from typing import Any, Callable
 
 from .errors import CorrnoiseError, check_int, check_real
+from .pipelines import PIPELINES
 
 __all__ = ["train", "PIPELINES", "resolve_device", "plot_history"]
-
-#: the data pipelines a user may have (``--batching``)
-PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
 
 
 def resolve_device(device: str = "auto"):
@@ -42,12 +40,6 @@ def resolve_device(device: str = "auto"):
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CorrnoiseError("device", "CUDA is not available on this machine; use --device cpu")
     return dev
-
-
-def _sampler_batching(batching_spec: str) -> str:
-    """The front door's ``batching=`` name for an accounting SPEC (``poisson:P`` -> ``poisson``)."""
-    head = batching_spec.split(":", 1)[0]
-    return {"none": "cyclic"}.get(head, head)
 
 
 def train(

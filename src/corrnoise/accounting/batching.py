@@ -31,11 +31,14 @@ _BATCHING_USAGE = "expected none, poisson:P, block-cyclic:BLOCKS:P or balls-in-b
 # Batching specs
 # ----------------------------------------------------------------------------------------------
 class Batching:
-    """How batches are formed.  Subclasses are frozen dataclasses with a ``spec`` string."""
+    """How batches are formed.  Subclasses are frozen dataclasses with a ``spec`` string whose
+    first word is their ``head``."""
 
     __slots__ = ()
     #: Whether the randomness of the batching is used for privacy amplification.
     amplified: ClassVar[bool] = True
+    #: The first word of the spec (``poisson`` of ``poisson:P``).
+    head: ClassVar[str] = ""
 
     @property
     def spec(self) -> str:  # pragma: no cover - abstract
@@ -53,6 +56,8 @@ def _check_probability(value: Any) -> float:
 class NoBatching(Batching):
     """No amplification: the worst case over the participation schema (tutorial Sec. 3.3)."""
 
+    head: ClassVar[str] = "none"
+
     participation: Participation = field(default_factory=Single)
     amplified: ClassVar[bool] = False
 
@@ -61,12 +66,14 @@ class NoBatching(Batching):
 
     @property
     def spec(self) -> str:
-        return "none"
+        return self.head
 
 
 @dataclass(frozen=True)
 class Poisson(Batching):
     """Poisson sampling: each example joins each step independently with probability ``p``."""
+
+    head: ClassVar[str] = "poisson"
 
     p: float
 
@@ -75,13 +82,15 @@ class Poisson(Batching):
 
     @property
     def spec(self) -> str:
-        return f"poisson:{self.p!r}"
+        return f"{self.head}:{self.p!r}"
 
 
 @dataclass(frozen=True)
 class BlockCyclic(Batching):
     """Block-cyclic Poisson sampling (tutorial Def. 3.20): step t samples block t mod ``blocks``
     with probability ``p`` (= B * blocks / N for an expected batch size B out of N examples)."""
+
+    head: ClassVar[str] = "block-cyclic"
 
     blocks: int
     p: float
@@ -92,7 +101,7 @@ class BlockCyclic(Batching):
 
     @property
     def spec(self) -> str:
-        return f"block-cyclic:{self.blocks}:{self.p!r}"
+        return f"{self.head}:{self.blocks}:{self.p!r}"
 
     def steps_per_block(self, n: int) -> int:
         """Largest number of steps that sample one block: ceil(n / blocks) (block 0)."""
@@ -105,6 +114,8 @@ class BallsInBins(Batching):
     """Balls-in-bins batching (seed 000 Sec. 2): every example lands in one of ``bins`` bins
     uniformly at random, once; step t uses bin t mod ``bins``."""
 
+    head: ClassVar[str] = "balls-in-bins"
+
     bins: int
 
     def __post_init__(self):
@@ -112,7 +123,7 @@ class BallsInBins(Batching):
 
     @property
     def spec(self) -> str:
-        return f"balls-in-bins:{self.bins}"
+        return f"{self.head}:{self.bins}"
 
 
 def _field(kind: str, text: str, parse: Callable[[str], Any]) -> Any:
@@ -158,3 +169,4 @@ def parse_batching(spec: Any, participation: Participation | str | None = None) 
             f"only used with --batching none; {batching.spec} fixes who participates when",
         )
     return batching
+

@@ -45,9 +45,6 @@ AUTO_CANDIDATES: dict[type, tuple[str, ...]] = {
     BallsInBins: ("mc",),
 }
 
-_BATCHING_NAMES = {NoBatching: "none", Poisson: "poisson", BlockCyclic: "block-cyclic", BallsInBins: "balls-in-bins"}
-
-
 def _raise(violation: Violation, method: str):
     raise CorrnoiseError(violation.param, f"{violation.message} (accounting method {method})")
 
@@ -56,7 +53,7 @@ def check_event(event: MechanismEvent, spec: MethodSpec) -> Violation | None:
     """The first reason ``spec`` cannot account ``event`` (its batching, then its registered
     preconditions in order), or None."""
     if not spec.supports(event.batching):
-        kinds = ", ".join(sorted(_BATCHING_NAMES.get(cls, cls.__name__) for cls in spec.batchings))
+        kinds = ", ".join(sorted(getattr(cls, "head", "") or cls.__name__ for cls in spec.batchings))
         return Violation("method", f"{spec.name} does not analyse {event.batching.spec} batching (it handles: "
                          f"{kinds}); use --method auto")
     return first_violation(event, spec.preconditions)

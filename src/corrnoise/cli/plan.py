@@ -19,6 +19,7 @@ import sys
 import click
 
 from ..errors import CorrnoiseError
+from ..pipelines import PIPELINES
 from .report import finite_json
 
 
@@ -33,7 +34,7 @@ from .report import finite_json
               help="Memory budget: noise vectors of model size kept between steps (more = infeasible).")
 @click.option("--only", "only", default=None, help="Comma-separated families: dpsgd,bandmf,blt,dpcgd,toeplitz,dense,tree.")
 @click.option("--pipeline", default="auto", show_default=True,
-              type=click.Choice(["auto", "poisson", "cyclic", "balls-in-bins"]),
+              type=click.Choice(PIPELINES),
               help="Batchings the data pipeline can do (cyclic = shuffle once, fixed order: no amplification).")
 @click.option("--plot", "plot", default=None, help="Write a PNG: error vs epsilon of the leading families and the "
               "recommended strategy's coefficients.")

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from ..pipelines import PIPELINES
 from .report import emit
 
 
@@ -35,7 +36,7 @@ def _progress_bar(enabled: bool):
 @click.option("--mechanism", default="auto", show_default=True,
               help="auto (the planner's choice) | a family: dpsgd, bandmf, blt, dpcgd, toeplitz, dense, tree | "
                    "a mechanism name or file (bsr:4, dpcgd:0.9, plan/recommended.json).")
-@click.option("--batching", type=click.Choice(["auto", "poisson", "cyclic", "balls-in-bins"]), default="auto",
+@click.option("--batching", type=click.Choice(PIPELINES), default="auto",
               show_default=True, help="The data pipeline you have: poisson sampling, cyclic (shuffle once, fixed "
               "batches, no amplification), balls-in-bins, or auto (any).")
 @click.option("--epsilon", type=float, required=True, help="Target epsilon (the reported one never exceeds it).")

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
+from ..pipelines import PIPELINES, pipeline_spec_heads
+
 FAMILIES = ("dpsgd", "bandmf", "blt", "dpcgd", "toeplitz", "dense", "tree")
-PIPELINES = ("auto", "poisson", "cyclic", "balls-in-bins")
-_PIPELINE_BATCHINGS = {
-    "auto": ("none", "poisson", "block-cyclic", "balls-in-bins"),
-    "poisson": ("none", "poisson", "block-cyclic"),
-    "cyclic": ("none",),
-    "balls-in-bins": ("none", "balls-in-bins"),
-}
+_PIPELINE_BATCHINGS = {pipeline: pipeline_spec_heads(pipeline) for pipeline in PIPELINES}
 #: PLD value discretization while screening (pessimistic, so still a guarantee; ~10x faster).
 SCREEN_DISCRETIZATION = 1e-3
 #: Monte Carlo samples for a screening estimate (seed 000 App. G.2: far fewer than verification).

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 
 from ..accounting import PrivacyResult
 from ..errors import CorrnoiseError, check_int, check_real, user_stacklevel
+from ..pipelines import batching_name, pipeline_of
 from ..sampling import BatchSampler
 from ..strategies import Strategy
 from .distributed import (DistributedPrivatizer, _broadcast_module, _data_parallel, _global_rank0,
@@ -243,10 +244,6 @@ def make_private(
     return module, private, loader
 
 
-_PIPELINE_OF = {"auto": "auto", "poisson": "poisson", "block-cyclic": "poisson", "balls-in-bins": "balls-in-bins",
-                "cyclic": "cyclic"}
-
-
 def _is_planned(mechanism: str) -> bool:
     from ..planner import FAMILIES
 
@@ -271,7 +268,7 @@ def plan_mechanism(mechanism: str, batching: str, *, num_examples: int, batch_si
     if epochs is None or not float(epochs).is_integer():
         raise CorrnoiseError("epochs", f"the planner plans whole epochs, got {epochs!r}")
     result = plan(dataset_size=num_examples, batch_size=batch_size, epochs=int(epochs), epsilon=epsilon, delta=delta,
-                  pipeline=_PIPELINE_OF[batching], only=None if mechanism == "auto" else (mechanism,),
+                  pipeline=pipeline_of(batching), only=None if mechanism == "auto" else (mechanism,),
                   progress=progress)
     rec = result.recommended
     return rec.strategy, planned_batching(rec.batching), result.setup.n, rec.result, result
@@ -280,5 +277,4 @@ def plan_mechanism(mechanism: str, batching: str, *, num_examples: int, batch_si
 def planned_batching(spec: str) -> str:
     """The front door's batching name for a planner batching spec (``poisson:P`` -> ``poisson``,
     ``none`` (unamplified, the pipeline's participation) -> ``cyclic``)."""
-    head = spec.split(":", 1)[0]
-    return {"none": "cyclic"}.get(head, head)
+    return batching_name(spec)

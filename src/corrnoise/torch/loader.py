@@ -18,14 +18,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import CorrnoiseError, check_int, check_real
+from ..pipelines import BATCHINGS
 from ..sampling import BallsInBinsSampler, BatchSampler
 from ..strategies import Strategy
 from .optimizer import _parse_mechanism, choose_batching
 
 __all__ = ["DPDataLoader", "BATCHINGS", "choose_batching"]
-
-#: ``batching=`` values: ``auto`` lets the mechanism decide (see :func:`choose_batching`).
-BATCHINGS = ("auto", "poisson", "block-cyclic", "balls-in-bins", "cyclic")
 
 
 class _StepContext:

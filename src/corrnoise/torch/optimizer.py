@@ -37,6 +37,7 @@ from ..accounting.base import require_guarantee
 from ..accounting.event import leading_strategy
 from ..errors import CorrnoiseError, check_int, check_real
 from ..participation import covers, parse_participation
+from ..pipelines import BATCHINGS
 from ..sampling import (
     BallsInBinsSampler,
     BatchSampler,
@@ -188,7 +189,7 @@ def balls_in_bins_accounted_steps(steps: int, bins: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # The plan: sampler, mechanism, agreement, noise
 # ----------------------------------------------------------------------------------------------
-SAMPLINGS = ("auto", "poisson", "block-cyclic", "cyclic", "balls-in-bins")
+SAMPLINGS = BATCHINGS
 
 
 def choose_batching(strategy: Strategy, num_examples: int, batch_size: int) -> str:

@@ -24,15 +24,12 @@ from torch.utils.data import DataLoader
 
 from ..accounting import PrivacyResult
 from ..errors import CorrnoiseError, check_int
+from ..pipelines import BATCHINGS as SAMPLERS
 from ..sampling import BatchSampler
 from ..strategies import Strategy
 from .front import DPDataLoader, DPOptimizer, make_private
 
 __all__ = ["PrivateRun", "make_private_run"]
-
-#: the old ``sampler=`` names; ``auto`` is the front door's choice (:func:`.front.choose_batching`)
-SAMPLERS = ("auto", "poisson", "block-cyclic", "balls-in-bins", "cyclic")
-
 
 class PrivateRun:
     """``(module, optimizer, data_loader)`` of the front door with an ``(x, y)`` step.
