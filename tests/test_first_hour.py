@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import corrnoise.torch.optimizer as torch_optimizer
+import corrnoise.runplan.agreement as torch_optimizer  # where privacy_spent calls the accounting
 from corrnoise.errors import CorrnoiseError
 from corrnoise.torch import make_private
 from corrnoise.torch.opacus_adapter import PrivacyEngine

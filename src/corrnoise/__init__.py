@@ -10,7 +10,8 @@ corrnoise`` pulls in neither torch nor dp_accounting):
   :func:`optimize_dense`;
 - privacy: :class:`MechanismEvent`, :func:`account`, :func:`calibrate`, :class:`PrivacyResult`,
   :func:`parse_batching`;
-- planning: :func:`plan`;
+- planning: :func:`plan` (the planner), :func:`plan_run` -> :class:`RunPlan` (a whole private run,
+  decided once, reviewable as a file before any privacy is spent);
 - training: :func:`make_private` (PyTorch), the samplers :class:`PoissonSampler`,
   :class:`BlockCyclicPoissonSampler`, :class:`BallsInBinsSampler`, :class:`CyclicSampler`.
 """
@@ -34,6 +35,8 @@ _LAZY = {
     "PrivacyResult": "corrnoise.accounting",
     "parse_batching": "corrnoise.accounting",
     "plan": "corrnoise.planner",
+    "plan_run": "corrnoise.runplan",
+    "RunPlan": "corrnoise.runplan",
     "make_private": "corrnoise.torch",
     "PoissonSampler": "corrnoise.sampling",
     "BlockCyclicPoissonSampler": "corrnoise.sampling",

@@ -38,6 +38,7 @@ import numpy as np
 
 from .errors import CorrnoiseError, check_int, check_real
 from .participation import Cyclic, MinSep
+from .pipelines import BATCHINGS
 
 __all__ = [
     "BatchSampler",
@@ -47,9 +48,12 @@ __all__ = [
     "BallsInBinsSampler",
     "MinSepSampler",
     "PaddedDataset",
+    "SEED_MAX",
+    "make_sampler",
 ]
 
-_SEED_MAX = (1 << 63) - 1
+#: The largest sampler seed (63 bits, what a seed drawn from the OS has).
+SEED_MAX = (1 << 63) - 1
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -72,7 +76,7 @@ class BatchSampler:
         self.steps = check_int("steps", steps, minimum=1)
         if seed is None:
             seed = secrets.randbits(63)  # OS entropy: an amplified sampler's seed must be secret
-        self.seed = check_int("seed", seed, minimum=0, maximum=_SEED_MAX)
+        self.seed = check_int("seed", seed, minimum=0, maximum=SEED_MAX)
         self.start_step = 0
 
     def _draw(self) -> None:
@@ -82,7 +86,7 @@ class BatchSampler:
     def reseed(self, seed: int) -> None:
         """Use ``seed`` from now on, redrawing everything fixed at construction: the same
         sampler as one built with this seed (a resumed checkpoint continues its run's batches)."""
-        self.seed = check_int("seed", seed, minimum=0, maximum=_SEED_MAX)
+        self.seed = check_int("seed", seed, minimum=0, maximum=SEED_MAX)
         self._draw()
 
     def batch(self, t: int) -> list[int]:  # pragma: no cover - abstract
@@ -405,3 +409,49 @@ class MinSepSampler(BatchSampler):
     def batch(self, t):
         t = self._check_t(t)
         return list(self._batches[t])
+
+
+def make_sampler(
+    sampling: str,
+    strategy_bands: int,
+    num_examples: int,
+    batch_size: int,
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+) -> BatchSampler:
+    """The sampler of batching ``sampling`` (:data:`corrnoise.pipelines.BATCHINGS` but ``auto``,
+    which needs the mechanism: :func:`corrnoise.runplan.choose_batching`) with expected batch
+    size ``batch_size``. Steps default to ``epochs`` passes over the data (num_examples /
+    batch_size steps per epoch; N // B for cyclic batches and balls-in-bins bins).
+    ``strategy_bands``: the blocks of block-cyclic sampling (the mechanism's bands)."""
+    if sampling not in BATCHINGS[1:]:
+        raise CorrnoiseError("sampling", f"must be one of {', '.join(BATCHINGS[1:])}, got {sampling!r}")
+    n_ex = check_int("num_examples", num_examples, minimum=1)
+    b = check_int("batch_size", batch_size, minimum=1, maximum=n_ex)
+    if (steps is None) == (epochs is None):
+        raise CorrnoiseError("steps", "give exactly one of steps and epochs")
+    if sampling == "cyclic":
+        per_epoch = n_ex // b
+        if steps is None:
+            steps = max(1, int(round(check_real("epochs", epochs, low=0.0, low_open=True) * per_epoch)))
+        return CyclicSampler(n_ex, b, steps=steps, seed=seed)
+    if sampling == "balls-in-bins":  # n = bins * epochs (seed 000 Def. 3.1): whole epochs of N // B bins
+        bins = max(1, n_ex // b)
+        if steps is None:
+            e = check_real("epochs", epochs, low=0.0, low_open=True)
+            if not e.is_integer():
+                raise CorrnoiseError("epochs", f"balls-in-bins batching runs whole epochs (of {bins} batches), got {e:g}")
+            steps = int(e) * bins
+        return BallsInBinsSampler(n_ex, min(bins, steps), steps, batch_size=b, seed=seed)
+    if steps is None:
+        steps = max(1, int(round(check_real("epochs", epochs, low=0.0, low_open=True) * n_ex / b)))
+    if sampling == "poisson":
+        return PoissonSampler(n_ex, b / n_ex, steps, seed=seed)
+    blocks = max(1, strategy_bands)  # block-cyclic
+    p = b * blocks / n_ex
+    if p > 1.0:
+        raise CorrnoiseError("batch_size", f"block-cyclic sampling with {blocks} blocks of ~{n_ex // blocks} "
+                             f"examples cannot give batches of {b}; use a smaller batch or fewer bands")
+    return BlockCyclicPoissonSampler(n_ex, blocks, p, steps, seed=seed)

@@ -13,18 +13,42 @@ what actually ran (never above the target).
 Poisson for banded mechanisms), ``cyclic`` (shuffle once, fixed batches in a fixed order: no
 amplification), ``balls-in-bins`` (seed 000: fixed-size batches with amplification), or
 ``auto`` (any of them: the planner picks).
+
+Seeds: ``seed`` fixes the model initialization and the data order of unamplified (cyclic)
+batches; an amplified sampler (Poisson, block-cyclic, balls-in-bins) never takes it -- its
+guarantee assumes the adversary does not know which steps used an example -- so its seed is
+secret (from the OS) unless ``sampler_seed`` is given (reproducible experiments only;
+make_private warns). The noise seed is secret (from the OS) unless ``noise_seed`` is given.
+``plan_plot``: a .png path for the planner's picture (error vs epsilon, the chosen C) when the
+planner chose. A given ``plan`` decides mechanism, pipeline, length and batch size (given ones
+must agree; its dataset size must be the data's), and the budget defaults to its guarantee's
+epsilon and delta. ``choice`` lets benchmarks train several seeds on one planner result
+(``mechanism`` is then only its label). The result's ``history`` is the test accuracy after
+every pass over the data.
+
+``train`` is: plan the run (:func:`corrnoise.runplan.plan_run`, or a given
+:class:`~corrnoise.runplan.RunPlan`: ``corrnoise train --plan FILE`` trains exactly the run a
+``corrnoise plan --plan-out FILE`` reviewed, without planning again) -> ``make_private`` -> the
+loop -> the report (:class:`TrainResult`, whose :meth:`~TrainResult.to_dict` is the ``corrnoise
+train`` JSON object).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import CorrnoiseError, check_int, check_real
-from .pipelines import PIPELINES
+from .pipelines import AUTO, PIPELINES
 
-__all__ = ["train", "PIPELINES", "resolve_device", "plot_history"]
+if TYPE_CHECKING:
+    from .runplan import RunPlan
+
+__all__ = ["train", "TrainResult", "PIPELINES", "resolve_device", "plot_history", "candidate_choice",
+           "choose_mechanism"]
 
 
 def resolve_device(device: str = "auto"):
@@ -44,11 +68,11 @@ def resolve_device(device: str = "auto"):
 
 def train(
     dataset: str = "digits",
-    mechanism: str = "auto",
+    mechanism: str = AUTO,
     *,
-    epsilon: float,
-    delta: float,
-    batching: str = "auto",
+    epsilon: float | None = None,
+    delta: float | None = None,
+    batching: str = AUTO,
     epochs: float | None = None,
     batch_size: int | None = None,
     lr: float | None = None,
@@ -64,52 +88,165 @@ def train(
     progress: Callable[[str, int, int], None] | None = None,
     plan_plot: str | None = None,
     choice: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Plan, calibrate, train and evaluate; returns the ``corrnoise train`` JSON object.
+    plan: RunPlan | None = None,
+) -> TrainResult:
+    """Plan the run, privatize, train, evaluate: the :class:`TrainResult` of ``corrnoise train``.
 
-    ``mechanism``: ``auto`` (the planner's recommendation for the pipeline), a family
-    (``dpsgd``, ``bandmf``, ``blt``, ``dpcgd``: the planner's best of that family), or any
-    mechanism name or file (``bsr:4``, ``dpcgd:0.9``, ``plan/recommended.json``: trained with
-    ``batching`` as given, ``auto`` letting the front door choose). Hyperparameters left None
-    take the dataset's defaults. ``seed`` fixes the model initialization and the data order of
-    unamplified (cyclic) batches. An amplified sampler (Poisson, block-cyclic, balls-in-bins)
-    never takes ``seed``: its guarantee assumes the adversary does not know which steps used an
-    example, so its seed is secret (from the OS) unless ``sampler_seed`` is given (reproducible
-    experiments only; make_private warns). The noise seed is secret (from the OS) unless
-    ``noise_seed`` is given. ``plan_plot``: a .png
-    path for the planner's picture (error vs epsilon, the chosen C) when the planner chose.
-    The result's ``history`` is the test accuracy after every pass over the data. ``choice``: a
-    :func:`choose_mechanism` result to train instead of choosing again (benchmarks train several
-    seeds on one plan; ``mechanism`` is then only its label).
+    ``mechanism``: ``auto`` (the planner's recommendation for the pipeline ``batching``), a
+    family (the planner's best of it), or a mechanism name or file; ``plan``: a
+    :class:`~corrnoise.runplan.RunPlan` to train exactly; ``choice``: a :func:`choose_mechanism`
+    / :func:`candidate_choice` result to train instead of choosing again. Hyperparameters left
+    None take the dataset's defaults. Seeds, ``plan_plot`` and the result: the module docstring.
     """
     import torch
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, TensorDataset
 
-    from .datasets import DATASETS, load
+    from .datasets import load
     from .models import model_for
-    from .torch.front import make_private
-    from .torch.loader import _sampling_for
+    from .torch import front
 
     start = time.perf_counter()
+    s = _settings(dataset, mechanism, batching, epsilon, delta, seed, sampler_seed, device, plan, choice,
+                  dict(epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum, optimizer=optimizer,
+                       clip_norm=clip_norm))
+    data = load(dataset, **(data_options or {}))
+    run = _plan(s, mechanism, plan, choice, len(data.y_train), progress)
+    if plan_plot is not None and run.planner_result is not None:
+        from .planner.plot import plot_plan
+
+        plot_plan(run.planner_result, plan_plot)
+    planned = time.perf_counter()
+
+    torch.manual_seed(s.seed)
+    model = model_for(dataset).to(s.device)
+    opt = (torch.optim.SGD(model.parameters(), lr=s.lr, momentum=s.momentum) if s.optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=s.lr))
+    xtr, ytr, xte, yte = data.tensors()
+    # only the order of unamplified cyclic batches may follow the public seed
+    sampler_seed = s.seed if s.sampler_seed is None and run.sampler.name == "cyclic" else s.sampler_seed
+    model, opt, loader = front.make_private(
+        model, opt, DataLoader(TensorDataset(xtr, ytr), batch_size=run.batch_size), plan=run, max_grad_norm=s.clip,
+        seed=sampler_seed, noise_seed=noise_seed, max_physical_batch_size=max_physical_batch_size)
+    history, train_loss = _loop(model, opt, loader, xte, yte, s.device, progress)
+    trained = time.perf_counter()
+
+    model.eval()
+    with torch.no_grad():
+        accuracy = (_accuracy(model, xte, yte, s.device), _accuracy(model, xtr, ytr, s.device))
+    return _report(dataset, run, opt, s, accuracy, train_loss, history, (start, planned, trained))
+
+
+@dataclass(frozen=True)
+class TrainResult(Mapping):
+    """What :func:`train` reports: the run (mechanism label, strategy, batching spec, pipeline),
+    its privacy (accounting method, kind, target and spent epsilon, delta, noise), its
+    hyperparameters, accuracies, timings, the test accuracy after every pass (``history``) and
+    the planner's candidates. Read-only mapping access (``result["epsilon"]``) as before;
+    :meth:`to_dict` is the ``corrnoise train --json`` object."""
+
+    dataset: str
+    mechanism: str
+    strategy: str
+    batching: str
+    pipeline: str | None
+    accounting: str
+    kind: str
+    epsilon_target: float
+    epsilon: float
+    delta: float
+    noise_std: float
+    noise_multiplier: float
+    steps: int
+    batch_size: int
+    epochs: float
+    lr: float
+    clip_norm: float
+    test_accuracy: float
+    train_accuracy: float
+    train_loss: float
+    device: str
+    seconds_planning: float
+    seconds_training: float
+    seconds: float
+    history: list
+    candidates: list
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+
+def _report(dataset, run, opt, s, accuracy, train_loss, history, times) -> TrainResult:
+    """The result of a finished run, its privacy accounted on what ran (never above the target)."""
+    target = s.epsilon if s.epsilon is not None else run.guarantee.epsilon
+    spent = opt.privacy_spent()
+    if spent.kind != "guarantee" or spent.epsilon > target * (1 + 1e-9):
+        raise RuntimeError(f"accounted epsilon {spent.epsilon} ({spent.kind}) exceeds the budget {target}")
+    start, planned, trained = times
+    return TrainResult(
+        dataset=dataset, mechanism=run.label, strategy=opt.strategy.label, batching=opt.batching.spec,
+        pipeline=run.pipeline, accounting=spent.method, kind=spent.kind, epsilon_target=target,
+        epsilon=spent.epsilon, delta=spent.delta, noise_std=opt.noise_std, noise_multiplier=opt.noise_multiplier,
+        steps=opt.steps_taken, batch_size=run.batch_size,
+        epochs=run.epochs if run.epochs is not None else run.steps / run.steps_per_epoch, lr=s.lr, clip_norm=s.clip,
+        test_accuracy=accuracy[0], train_accuracy=accuracy[1], train_loss=train_loss, device=str(s.device),
+        seconds_planning=planned - start, seconds_training=trained - planned, seconds=time.perf_counter() - start,
+        history=history, candidates=list(run.candidates))
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The validated settings of one :func:`train` call (hyperparameters with the dataset's
+    defaults, or a given plan's size)."""
+
+    epsilon: float | None
+    delta: float | None
+    pipeline: str | None
+    seed: int
+    sampler_seed: int | None
+    device: Any
+    epochs: float
+    batch_size: Any
+    lr: float
+    clip: float
+    momentum: float
+    optimizer: str
+
+
+def _settings(dataset, mechanism, batching, epsilon, delta, seed, sampler_seed, device, plan, choice,
+              given: dict[str, Any]) -> _Settings:
+    """Check what :func:`train` was given (one line naming the parameter) and fill in defaults."""
+    from .datasets import DATASETS
+
     if dataset not in DATASETS:
         raise CorrnoiseError("dataset", f"must be one of {', '.join(DATASETS)}, got {dataset!r}")
     if batching not in PIPELINES:
         raise CorrnoiseError("batching", f"must be one of {', '.join(PIPELINES)}, got {batching!r}")
-    epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
+    pipeline = batching
+    if plan is not None:
+        epsilon, delta, pipeline = _plan_settings(plan, mechanism, batching, epsilon, delta, choice, given)
+    epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True) if epsilon is not None or plan is None else None
     delta = check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
     seed = check_int("seed", seed, minimum=0, maximum=(1 << 62))
     if sampler_seed is not None:
         sampler_seed = check_int("sampler_seed", sampler_seed, minimum=0, maximum=(1 << 62))
     dev = resolve_device(device)
     hp = dict(DATASETS[dataset].defaults)
-    for key, value in (("epochs", epochs), ("batch_size", batch_size), ("lr", lr), ("momentum", momentum),
-                       ("optimizer", optimizer), ("clip_norm", clip_norm)):
-        if value is not None:
-            hp[key] = value
+    hp.update({key: value for key, value in given.items() if value is not None})
     if hp["optimizer"] == "adam":
-        if momentum is not None:
+        if given["momentum"] is not None:
             raise CorrnoiseError("momentum", "applies to sgd only (adam keeps its own moment estimates)")
-        if lr is None and DATASETS[dataset].defaults.get("optimizer") != "adam":
+        if given["lr"] is None and DATASETS[dataset].defaults.get("optimizer") != "adam":
             raise CorrnoiseError("lr", f"give it with optimizer adam: the {dataset} default ({hp['lr']:g}) is tuned "
                                  "for sgd")
     epochs = check_real("epochs", hp["epochs"], low=0.0, low_open=True, high=10000.0)
@@ -118,44 +255,56 @@ def train(
     momentum = check_real("momentum", hp.get("momentum", 0.0), low=0.0, high=1.0, high_open=True)
     if hp["optimizer"] not in ("sgd", "adam"):
         raise CorrnoiseError("optimizer", f"must be sgd or adam, got {hp['optimizer']!r}")
+    return _Settings(epsilon, delta, pipeline, seed, sampler_seed, dev, epochs, hp["batch_size"], lr, clip, momentum,
+                     hp["optimizer"])
 
-    data = load(dataset, **(data_options or {}))
-    n_ex = len(data.y_train)
-    batch = check_int("batch_size", hp["batch_size"], minimum=1, maximum=n_ex)
 
-    if choice is not None and (not isinstance(choice, dict)
-                               or not {"mechanism", "batching", "noise", "label"} <= set(choice)):
-        raise CorrnoiseError("choice", "must be a choose_mechanism() / candidate_choice() result")
-    if choice is None:
-        choice = choose_mechanism(mechanism, num_examples=n_ex, batch_size=batch, epochs=epochs, epsilon=epsilon,
-                                  delta=delta, pipeline=batching, progress=progress)
-    if plan_plot is not None and choice.get("plan") is not None:
-        from .planner.plot import plot_plan
+def _plan_settings(plan, mechanism, batching, epsilon, delta, choice, given: dict[str, Any]):
+    """(epsilon, delta, pipeline) of a run that trains ``plan``: the plan decides the mechanism,
+    the pipeline, the length and the batch size (given ones must agree), the budget defaults to
+    its guarantee's epsilon and delta."""
+    from .runplan import RunPlan
 
-        plot_plan(choice["plan"], plan_plot)
-    planned = time.perf_counter()
+    if not isinstance(plan, RunPlan):
+        raise CorrnoiseError("plan", f"must be a RunPlan (RunPlan.from_json), got {type(plan).__name__}")
+    if choice is not None or mechanism != AUTO:
+        raise CorrnoiseError("choice" if choice is not None else "mechanism", "is decided by the plan; give the plan "
+                             "or a mechanism, not both")
+    if batching not in (AUTO, plan.pipeline):
+        raise CorrnoiseError("batching", f"the plan is for the {plan.pipeline} pipeline, not {batching}")
+    plan.check_fits(batch_size=given["batch_size"],
+                    epochs=given["epochs"] if plan.epochs is not None else None)
+    if plan.guarantee is None and epsilon is None:
+        raise CorrnoiseError("epsilon", "the plan's noise was given, not calibrated to a guarantee: give the budget")
+    if epsilon is not None and plan.guarantee is not None and plan.guarantee.epsilon > epsilon * (1 + 1e-9):
+        raise CorrnoiseError("epsilon", f"the plan's guarantee is epsilon {plan.guarantee.epsilon:g} > {epsilon:g}")
+    given.update(epochs=plan.epochs if plan.epochs is not None else given["epochs"], batch_size=plan.batch_size)
+    return epsilon, plan.delta if delta is None else delta, plan.pipeline
 
-    torch.manual_seed(seed)
-    model = model_for(dataset).to(dev)
-    params = model.parameters()
-    opt = (torch.optim.SGD(params, lr=lr, momentum=momentum) if hp["optimizer"] == "sgd"
-           else torch.optim.Adam(params, lr=lr))
-    xtr, ytr, xte, yte = data.tensors()
-    loader = DataLoader(torch.utils.data.TensorDataset(xtr, ytr), batch_size=batch)
-    length = {"steps": choice["steps"]} if "steps" in choice else {"epochs": epochs}
-    # the batching make_private will build (resolving "auto" as it does): only the order of
-    # unamplified cyclic batches may follow the public seed
-    resolved = _sampling_for(choice["batching"], choice["mechanism"], n_ex, batch, length.get("epochs"),
-                             length.get("steps"))
-    if sampler_seed is None and resolved == "cyclic":
-        sampler_seed = seed
-    model, opt, loader = make_private(
-        model, opt, loader, mechanism=choice["mechanism"], batching=choice["batching"], delta=delta,
-        max_grad_norm=clip, seed=sampler_seed, noise_seed=noise_seed, max_physical_batch_size=max_physical_batch_size,
-        **length, **choice["noise"])
+
+def _plan(s: _Settings, mechanism, plan, choice, num_examples: int, progress) -> RunPlan:
+    """The run to train: ``plan`` (checked against the data), or the plan of ``choice``, or
+    planned now for the pipeline (:func:`corrnoise.runplan.plan_run`)."""
+    from .runplan import plan_choice, plan_run
+
+    batch = check_int("batch_size", s.batch_size, minimum=1, maximum=num_examples)
+    if plan is not None:
+        plan.check_fits(dataset_size=num_examples, batch_size=batch)
+        return plan
+    if choice is not None:
+        return plan_choice(choice, dataset_size=num_examples, batch_size=batch, epochs=s.epochs, delta=s.delta,
+                           pipeline=s.pipeline)
+    return plan_run(dataset_size=num_examples, batch_size=batch, mechanism=mechanism, pipeline=s.pipeline,
+                    epsilon=s.epsilon, delta=s.delta, epochs=s.epochs, progress=progress)
+
+
+def _loop(model, opt, loader, xte, yte, dev, progress) -> tuple[list, float]:
+    """The user's loop on the private loader until the planned steps are taken: (test accuracy
+    after every pass, mean training loss)."""
+    import torch
+
     criterion = torch.nn.CrossEntropyLoss()
-    loss_sum, loss_count, done = 0.0, 0, 0
-    history = []
+    loss_sum, loss_count, history = 0.0, 0, []
     while opt.steps_taken < opt.steps:
         model.train()
         for x, y in loader:
@@ -167,50 +316,12 @@ def train(
             if len(y):
                 loss_sum += float(loss.detach()) * len(y)
                 loss_count += len(y)
-            done += 1
             if progress is not None:
                 progress("training", opt.steps_taken, opt.steps)
         model.eval()
         with torch.no_grad():
             history.append((opt.steps_taken, _accuracy(model, xte, yte, dev)))
-    trained = time.perf_counter()
-
-    spent = opt.privacy_spent()
-    if spent.kind != "guarantee" or spent.epsilon > epsilon * (1 + 1e-9):
-        raise RuntimeError(f"accounted epsilon {spent.epsilon} ({spent.kind}) exceeds the budget {epsilon}")
-
-    model.eval()
-    with torch.no_grad():
-        test_acc = _accuracy(model, xte, yte, dev)
-        train_acc = _accuracy(model, xtr, ytr, dev)
-    return {
-        "dataset": dataset,
-        "mechanism": choice["label"],
-        "strategy": opt.strategy.label,
-        "batching": opt.batching.spec,
-        "pipeline": batching,
-        "accounting": spent.method,
-        "kind": spent.kind,
-        "epsilon_target": epsilon,
-        "epsilon": spent.epsilon,
-        "delta": spent.delta,
-        "noise_std": opt.noise_std,
-        "noise_multiplier": opt.noise_multiplier,
-        "steps": opt.steps_taken,
-        "batch_size": batch,
-        "epochs": epochs,
-        "lr": lr,
-        "clip_norm": clip,
-        "test_accuracy": test_acc,
-        "train_accuracy": train_acc,
-        "train_loss": loss_sum / loss_count if loss_count else math.nan,
-        "device": str(dev),
-        "seconds_planning": planned - start,
-        "seconds_training": trained - planned,
-        "seconds": time.perf_counter() - start,
-        "history": history,
-        "candidates": choice.get("candidates", []),
-    }
+    return history, loss_sum / loss_count if loss_count else math.nan
 
 
 def _accuracy(model, x, y, dev, chunk: int = 4096) -> float:
@@ -222,49 +333,17 @@ def _accuracy(model, x, y, dev, chunk: int = 4096) -> float:
 
 
 def candidate_choice(candidate, planned) -> dict[str, Any]:
-    """What to train for one of the planner's candidates (given its final guarantee, see
-    :func:`corrnoise.planner.finalize_candidate`): the :func:`choose_mechanism` dict."""
-    from .torch.front import planned_batching
+    """What to train for one of the planner's candidates: :func:`corrnoise.runplan.candidate_choice`."""
+    from .runplan import candidate_choice as choice_of
 
-    if not candidate.final:
-        raise CorrnoiseError("candidate", f"{candidate.mechanism} under {candidate.batching} has no final guarantee")
-    return {"mechanism": candidate.strategy, "batching": planned_batching(candidate.batching),
-            "label": candidate.mechanism, "noise": {"guarantee": candidate.result}, "steps": planned.setup.n,
-            "plan": planned, "candidates": [c.to_dict() for c in planned.candidates]}
+    return choice_of(candidate, planned)
 
 
-def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epochs: float, epsilon: float,
-                     delta: float, pipeline: str, progress=None) -> dict[str, Any]:
-    """What to train: ``{"mechanism", "batching", "steps" | "epochs", "noise", "label", "candidates"}``.
+def choose_mechanism(mechanism: str, **kwargs: Any) -> dict[str, Any]:
+    """What to train for a pipeline: :func:`corrnoise.runplan.choose_mechanism`."""
+    from .runplan import choose_mechanism as choose
 
-    ``auto`` and the planner's families go to the front door's planner step
-    (:func:`corrnoise.torch.front.plan_mechanism`), which returns the mechanism, its batching for
-    the pipeline and the guarantee its noise was calibrated to (verified where it is Monte Carlo);
-    an explicit name is trained as named and calibrated by the front door for ``epsilon``.
-    """
-    from .torch.front import _is_planned, plan_mechanism
-
-    if _is_planned(mechanism):
-        planned = plan_mechanism(mechanism, pipeline, num_examples=num_examples, batch_size=batch_size, epochs=epochs,
-                                 steps=None, epsilon=epsilon, delta=delta, progress=progress)[-1]
-        return candidate_choice(planned.recommended, planned)
-    from .planner import FAMILIES as PLANNED
-    from .strategies import parse_strategy
-
-    try:
-        parse_strategy(mechanism, max(1, round(epochs * num_examples / batch_size)))
-    except CorrnoiseError as exc:
-        raise CorrnoiseError("mechanism", f"{exc.message}; or a family: auto, {', '.join(PLANNED)}") from None
-    batching = pipeline
-    if pipeline == "poisson":  # Poisson sampling: every step for DP-SGD, within blocks for a banded C
-        from .torch.front import choose_batching
-
-        probe = parse_strategy(mechanism, max(1, round(epochs * num_examples / batch_size)))
-        batching = choose_batching(probe, num_examples, batch_size)
-        if batching not in ("poisson", "block-cyclic"):
-            batching = "poisson"  # any other C: Poisson with the accounting that suits it (MMCC)
-    return {"mechanism": mechanism, "batching": batching, "label": mechanism, "noise": {"epsilon": epsilon},
-            "epochs": epochs}
+    return choose(mechanism, **kwargs)
 
 
 def plot_history(results: list[dict[str, Any]], path: str, title: str) -> str:

@@ -42,9 +42,11 @@ from .report import finite_json
 @click.option("--mechanism-file", "mechanism_file", default=None,
               help="Where to save the recommended mechanism (default plan-recommended.json, or DIR/recommended.json "
                    "with --out).")
+@click.option("--plan-out", "plan_out", default=None,
+              help="Write the recommended run as a plan file (.json) for corrnoise train --plan FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_buffers, only, pipeline, plot, out_dir,
-                 mechanism_file, as_json):
+                 mechanism_file, plan_out, as_json):
     """Recommend a mechanism, batching and calibrated noise for a training run."""
     from ..planner import make_setup, plan
 
@@ -52,6 +54,10 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
         raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
     setup = make_setup(epsilon=epsilon, delta=delta, epochs=epochs, dataset_size=dataset_size,
                        batch_size=batch_size, steps=steps, max_buffers=max_buffers, only=only, pipeline=pipeline)
+    if plan_out is not None:  # fail before planning, not after it
+        from ..runplan import check_plan_out
+
+        check_plan_out(plan_out, setup)
     if mechanism_file is None and out_dir is None:
         mechanism_file = "plan-recommended.json"
     elif mechanism_file is not None:  # fail before planning, not after it
@@ -64,6 +70,10 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
     else:
         result = plan(setup, out_dir=out_dir, mechanism_file=mechanism_file)
     data = result.to_dict()
+    if plan_out is not None:
+        from ..runplan import plan_of_recommendation
+
+        data["plan_file"] = str(plan_of_recommendation(result).to_json(plan_out))
     if plot is not None:
         from ..planner.plot import plot_plan
 
@@ -119,6 +129,8 @@ def _table(result, data) -> None:
                   f"(sigma {rec.noise_multiplier:.6g}), {rec.accounting} {rec.kind}; rms_error {rec.rms_error:.4g}")
     if rec.mechanism_file:
         console.print(f"mechanism file: {rec.mechanism_file}")
+    if "plan_file" in data:
+        console.print(f"plan file: {data['plan_file']} (corrnoise train --plan {data['plan_file']})")
     if "plot" in data:
         console.print(f"plot: {data['plot']}")
     console.print(f"planned in {result.seconds:.1f} s")

@@ -39,8 +39,12 @@ def _progress_bar(enabled: bool):
 @click.option("--batching", type=click.Choice(PIPELINES), default="auto",
               show_default=True, help="The data pipeline you have: poisson sampling, cyclic (shuffle once, fixed "
               "batches, no amplification), balls-in-bins, or auto (any).")
-@click.option("--epsilon", type=float, required=True, help="Target epsilon (the reported one never exceeds it).")
-@click.option("--delta", type=float, required=True, help="Target delta.")
+@click.option("--epsilon", type=float, default=None,
+              help="Target epsilon (the reported one never exceeds it); required unless --plan gives it.")
+@click.option("--delta", type=float, default=None, help="Target delta; required unless --plan gives it.")
+@click.option("--plan", "plan_file", default=None,
+              help="Train exactly this run (a plan file of corrnoise plan --plan-out: mechanism, batching, noise, "
+                   "guarantee), without planning again.")
 @click.option("--epochs", type=float, default=None, help="Passes over the training data (default: the dataset's).")
 @click.option("--batch-size", type=int, default=None, help="(Expected) batch size B (default: the dataset's).")
 @click.option("--lr", type=float, default=None, help="Learning rate (default: the dataset's).")
@@ -62,12 +66,23 @@ def _progress_bar(enabled: bool):
 @click.option("--plot", default=None, help="Write PNG plots: test accuracy per epoch of every run (this path) and, "
               "when the planner chose, its picture (PATH-plan.png).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_size, lr, optimizer, momentum, clip_norm,
-                  physical_batch_size, device, seed, noise_seed, compare, plot, as_json):
+def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epochs, batch_size, lr, optimizer, momentum,
+                  clip_norm, physical_batch_size, device, seed, noise_seed, compare, plot, as_json):
     """Private training on DATASET with MECHANISM at (EPSILON, DELTA) for your data pipeline."""
     from ..errors import CorrnoiseError, check_int
     from ..training import train
 
+    plan = None
+    if plan_file is not None:
+        from ..runplan import RunPlan
+
+        if compare is not None:
+            raise CorrnoiseError("compare", "trains a second mechanism at a budget; --plan trains exactly one run")
+        plan = RunPlan.from_json(plan_file)
+    else:
+        for name, value in (("epsilon", epsilon), ("delta", delta)):
+            if value is None:
+                raise CorrnoiseError(name, f"give --{name} (the target), or --plan FILE")
     if plot is not None and not str(plot).lower().endswith(".png"):
         raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
     if physical_batch_size is not None:  # named as the option, before the library names it max_physical_batch_size
@@ -77,7 +92,7 @@ def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_si
     bar, report = _progress_bar(not as_json and sys.stderr.isatty())
     kwargs = dict(epsilon=epsilon, delta=delta, batching=batching, epochs=epochs, batch_size=batch_size, lr=lr,
                   momentum=momentum, optimizer=optimizer, clip_norm=clip_norm, seed=seed, noise_seed=noise_seed,
-                  device=device, max_physical_batch_size=physical_batch_size, progress=report)
+                  device=device, max_physical_batch_size=physical_batch_size, progress=report, plan=plan)
     runs = [mechanism] + ([compare] if compare else [])
     results = []
     if bar is not None:
@@ -85,13 +100,15 @@ def train_command(dataset, mechanism, batching, epsilon, delta, epochs, batch_si
     try:
         for i, name in enumerate(runs):
             plan_plot = None if plot is None or i else str(plot)[:-4] + "-plan.png"
-            results.append(train(dataset, name, plan_plot=plan_plot, **kwargs))
+            results.append(train(dataset, name, plan_plot=plan_plot, **kwargs).to_dict())
     finally:
         if bar is not None:
             bar.stop()
     if plot is not None:
         from ..training import plot_history
 
+        if plan is not None:  # the plan's budget and pipeline
+            epsilon, delta, batching = results[0]["epsilon_target"], plan.delta, results[0]["pipeline"]
         plot_history(results, plot, f"{dataset}, epsilon {epsilon:g}, delta {delta:g}, pipeline {batching}")
     if as_json:
         out = results[0] if len(results) == 1 else {"runs": results}

@@ -11,7 +11,10 @@
             optimizer.zero_grad()
     print(optimizer.privacy_spent().epsilon)
 
-Layers over the same engine (same plan and gate, sampler, clipping engine and noise):
+The run itself -- mechanism, batching, sampler, noise, guarantee -- is decided once, torch-free,
+by :func:`corrnoise.runplan.plan_run` (a :class:`~corrnoise.runplan.RunPlan`; ``make_private(...,
+plan=plan)`` trains a given one). Layers over the same engine (same plan and gate, sampler,
+clipping engine and noise):
 :class:`~corrnoise.torch.opacus_adapter.PrivacyEngine` (Opacus's names; Opacus itself is not
 needed) and :func:`~corrnoise.torch.run.make_private_run` (an ``(x, y)`` step).
 
@@ -32,14 +35,16 @@ Migrating from the old ``make_private(model, optimizer, loss_fn, dataset, ...)``
 The distributed helpers (:mod:`corrnoise.torch.distributed`) are imported on demand.
 """
 
-from .front import DPDataLoader, DPOptimizer, choose_batching, make_private
+from ..accounting.event import leading_strategy
+from ..runplan import Agreement, PrivatePlan, RunPlan, check_agreement, choose_batching, plan_private, plan_run, privacy_spent
+from ..sampling import make_sampler
+from .front import DPDataLoader, DPOptimizer, make_private
 from .opacus_adapter import PrivacyEngine
-from .optimizer import Agreement, PrivatePlan, check_agreement, leading_strategy, make_sampler, plan_private, privacy_spent
 from .privatizer import Privatizer, privatize_sum
 from .run import PrivateRun, make_private_run
 
 __all__ = [
-    "Agreement", "DPDataLoader", "DPOptimizer", "PrivacyEngine", "PrivatePlan", "PrivateRun", "Privatizer",
+    "Agreement", "DPDataLoader", "DPOptimizer", "PrivacyEngine", "PrivatePlan", "PrivateRun", "Privatizer", "RunPlan",
     "check_agreement", "choose_batching", "leading_strategy", "make_private", "make_private_run", "make_sampler",
-    "plan_private", "privacy_spent", "privatize_sum",
+    "plan_private", "plan_run", "privacy_spent", "privatize_sum",
 ]

@@ -31,7 +31,7 @@ from ..noise.base import split_flat
 from .privatizer import Privatizer
 
 __all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed", "local_batch",
-           "seed_to_limbs", "limbs_to_seed"]
+           "seed_to_limbs", "limbs_to_seed", "data_parallel", "global_rank0", "shared_sampler_seed", "broadcast_module"]
 
 
 def shard_bounds(m: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -224,7 +224,7 @@ class DistributedPrivatizer(Privatizer):
 # ----------------------------------------------------------------------------------------------
 # Data parallel (torch.distributed)
 # ----------------------------------------------------------------------------------------------
-def _data_parallel(module: torch.nn.Module, distributed: bool | None):
+def data_parallel(module: torch.nn.Module, distributed: bool | None):
     """(on, process group, module to hook) for ``distributed`` (see :func:`make_private`)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -252,21 +252,21 @@ def _data_parallel(module: torch.nn.Module, distributed: bool | None):
     return True, getattr(module, "process_group", None), module.module
 
 
-def _global_rank0(group) -> int:
+def global_rank0(group) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def _shared_sampler_seed(seed: int | None, group) -> int:
+def shared_sampler_seed(seed: int | None, group) -> int:
     """The sampler seed of rank 0 on every rank (``seed`` checked equal where given, else drawn
     on rank 0): one global sampler, so every rank forms the same, accounted, batches."""
-    from ..sampling import _SEED_MAX
+    from ..sampling import SEED_MAX
 
     value = broadcast_seed(seed, group)
-    return value if seed is not None else value & _SEED_MAX
+    return value if seed is not None else value & SEED_MAX
 
 
 @torch.no_grad()
-def _broadcast_module(module: torch.nn.Module, group) -> None:
+def broadcast_module(module: torch.nn.Module, group) -> None:
     """Rank 0's parameters and buffers on every rank."""
     for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.data, src=_global_rank0(group), group=group)
+        dist.broadcast(t.data, src=global_rank0(group), group=group)

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from ..accounting import RUN_IDENTITY_KEYS, PrivacyResult, run_identity, run_mismatch
+from ..accounting import RUN_IDENTITY_KEYS, PrivacyResult, run_mismatch
 from ..errors import CorrnoiseError, check_int, check_real, user_stacklevel
-from ..sampling import _SEED_MAX, BatchSampler
 from ..noise.seeds import seed_commitment
+from ..runplan import accounted_steps, privacy_spent
+from ..sampling import SEED_MAX, BatchSampler
 from ..strategies import Strategy, mechanism_fingerprint
-from .loader import _StepContext
-from .optimizer import balls_in_bins_accounted_steps, privacy_spent
+from .loader import StepContext
 from .privatizer import Privatizer
 
 __all__ = ["DPOptimizer"]
@@ -38,7 +38,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, engine, privatizer: Privatizer, strategy: Strategy,
                  batching: Any, delta: float, steps: int, accounting_method: str = "auto",
                  accounting_options: dict[str, Any] | None = None, sampler: BatchSampler | None = None,
-                 context: _StepContext | None = None, store_noise_seed: bool = False,
+                 context: StepContext | None = None, store_noise_seed: bool = False,
                  calibration: PrivacyResult | None = None, nan_policy: str = "warn"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise CorrnoiseError("optimizer", f"must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -64,7 +64,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accounting_method = accounting_method
         self.accounting_options = dict(accounting_options or {})
         self.sampler = sampler
-        self.context = context or _StepContext()
+        self.context = context or StepContext()
         self.store_noise_seed = bool(store_noise_seed)
         self.calibration = calibration
         self.steps_taken = 0
@@ -252,7 +252,7 @@ class DPOptimizer(torch.optim.Optimizer):
         d = self.delta if delta is None else check_real("delta", delta, low=0.0, high=1.0, low_open=True,
                                                         high_open=True)
         if self.calibration is not None and not options and d == self.delta \
-                and _accounted_steps(self.batching, k) == self.steps:
+                and accounted_steps(self.batching, k) == self.steps:
             # the run the noise was calibrated for: its guarantee (a Monte Carlo one was verified on
             # a fresh sample; accounting it again would draw new samples and a slightly other epsilon)
             return self.calibration.with_extras(steps=int(k), accounted_steps=int(self.steps), scope="prefix")
@@ -381,7 +381,7 @@ class DPOptimizer(torch.optim.Optimizer):
             # its (secret) seed, if the sampler is the same but for it (describe() does not depend
             # on the seed)
             seed = saved.get("seed")
-            if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= _SEED_MAX \
+            if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX \
                     and {**mine, "seed": seed} == saved:
                 mine, adopt_seed = saved, seed
         if mine != saved:
@@ -422,24 +422,3 @@ def _same_run(result: PrivacyResult, reference: PrivacyResult) -> str | None:
         why = f"accounting method = {result.method!r}, this run has {reference.method!r}"
     return why
 
-
-def _matching_guarantee(guarantee: PrivacyResult, agreement, delta: float) -> PrivacyResult:
-    """``guarantee`` if it is the accounting of exactly this run (the mechanism by its
-    fingerprint, steps, batching and participation: :func:`~corrnoise.accounting.run_identity`;
-    delta no larger), else a one-line error naming ``guarantee`` and what differs."""
-    event = agreement.event
-    why = run_mismatch(guarantee, {"mechanism": event.mechanism.label, **run_identity(event)})
-    if why is not None:
-        raise CorrnoiseError("guarantee", f"was computed for {why}")
-    if guarantee.delta > delta:
-        raise CorrnoiseError("guarantee", f"has delta {guarantee.delta:g} > the run's delta {delta:g}")
-    return guarantee
-
-
-def _accounted_steps(batching, steps: int) -> int:
-    """The steps :func:`corrnoise.torch.optimizer.privacy_spent` analyses after ``steps`` steps."""
-    from ..accounting import BallsInBins
-
-    if isinstance(batching, BallsInBins):
-        return balls_in_bins_accounted_steps(steps, batching.bins)
-    return steps

@@ -11,22 +11,20 @@ same global batch and yields its own share (:func:`.distributed.local_batch`).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader
 
-from ..errors import CorrnoiseError, check_int, check_real
+from ..errors import CorrnoiseError, check_int
 from ..pipelines import BATCHINGS
+from ..runplan import choose_batching
 from ..sampling import BallsInBinsSampler, BatchSampler
-from ..strategies import Strategy
-from .optimizer import _parse_mechanism, choose_batching
 
-__all__ = ["DPDataLoader", "BATCHINGS", "choose_batching"]
+__all__ = ["DPDataLoader", "BATCHINGS", "StepContext", "choose_batching", "loader_settings"]
 
 
-class _StepContext:
+class StepContext:
     """What the loader and the optimizer share: the next step to take (the optimizer's
     ``steps_taken``), the logical step of the micro-batch the user's loop is on, whether more
     micro-batches of it follow, and which entries are padding."""
@@ -134,13 +132,13 @@ class DPDataLoader(DataLoader):
     """
 
     def __init__(self, dataset, sampler: BatchSampler, *, steps_per_epoch: int, collate_fn=None,
-                 max_physical_batch_size=None, context: _StepContext | None = None, rank: int = 0,
+                 max_physical_batch_size=None, context: StepContext | None = None, rank: int = 0,
                  world_size: int = 1, **loader_kwargs):
         from torch.utils.data import default_collate
 
         self.corrnoise_sampler = sampler
         self.steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
-        self.context = context or _StepContext()
+        self.context = context or StepContext()
         self.max_physical_batch_size = max_physical_batch_size
         self._padded = isinstance(sampler, BallsInBinsSampler) and sampler.batch_size is not None
         items = _PaddedItems(dataset, sampler.num_examples) if self._padded else dataset
@@ -178,7 +176,7 @@ class DPDataLoader(DataLoader):
             yield batch
 
 
-def _loader_settings(data_loader) -> tuple[Any, int, dict[str, Any], Any]:
+def loader_settings(data_loader) -> tuple[Any, int, dict[str, Any], Any]:
     """(dataset, batch size, DataLoader keyword arguments to keep, collate_fn) of the user's loader."""
     if not isinstance(data_loader, DataLoader):
         raise CorrnoiseError("data_loader", f"must be a torch DataLoader, got {type(data_loader).__name__}")
@@ -203,26 +201,3 @@ def _loader_settings(data_loader) -> tuple[Any, int, dict[str, Any], Any]:
         keep["prefetch_factor"] = data_loader.prefetch_factor
     return dataset, int(batch_size), keep, data_loader.collate_fn
 
-
-def _steps_per_epoch(sampler: BatchSampler, epochs, num_examples: int, batch_size: int) -> int:
-    """Logical batches per pass over the private loader: the run's steps / epochs when epochs
-    were given, else a natural epoch (balls-in-bins: its bins; otherwise N / B)."""
-    if epochs is not None:
-        return max(1, math.ceil(sampler.steps / float(epochs) - 1e-9))
-    if isinstance(sampler, BallsInBinsSampler):
-        return sampler.bins
-    return max(1, round(num_examples / batch_size))
-
-
-def _sampling_for(batching: str, mechanism, num_examples: int, batch_size: int, epochs, steps) -> str:
-    """The sampler name of :func:`corrnoise.torch.optimizer.make_sampler` for ``batching``."""
-    if batching != "auto":
-        return batching
-    if isinstance(mechanism, Strategy):
-        probe = mechanism
-    else:
-        n = steps if steps is not None else max(1, int(round(
-            check_real("epochs", epochs if epochs is not None else math.nan, low=0.0, low_open=True)
-            * num_examples / batch_size)))
-        probe = _parse_mechanism(mechanism, n)
-    return choose_batching(probe, num_examples, batch_size)

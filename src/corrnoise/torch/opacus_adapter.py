@@ -16,7 +16,7 @@ A code base written for Opacus changes its import (and adds ``mechanism=`` for c
 noise). Everything behind the names is corrnoise's front door
 (:func:`corrnoise.torch.front.make_private`): the sampler the accounting analyses, the clipping
 engine (:mod:`corrnoise.torch.clipping`), the noise max_grad_norm * nu * (C^-1 Z)[t] and the
-one gate (:func:`corrnoise.torch.optimizer.plan_private`) -- Opacus need not be installed, and no
+one plan (:func:`corrnoise.runplan.plan_run`) -- Opacus need not be installed, and no
 privacy check lives here. Differences from Opacus, all refused with one-line errors where an
 Opacus argument would change them: the run's length (``epochs`` or ``steps``) is part of the
 plan (the mechanism and its noise are built for it, and steps past it are refused); the

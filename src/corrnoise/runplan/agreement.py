@@ -1,0 +1,199 @@
+"""Agreement of sampler, mechanism and accounting, and the privacy a run spends.
+
+:func:`check_agreement` checks that the sampler that forms the batches and the accounting
+describe the same run (same scheme, same rate, the sampler's participation covered by the
+accounted schema), then passes the run's :class:`~corrnoise.accounting.MechanismEvent` through
+the accounting gate (:func:`corrnoise.accounting.prepare`: steps within the mechanism, bands <=
+blocks, square or non-negative C ...). Nothing else repeats those checks. :func:`privacy_spent`
+accounts what ran; :func:`matching_guarantee` accepts a given guarantee only if it is of this
+run, by content (:func:`~corrnoise.accounting.run_identity`), never by label.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..accounting import (
+    BallsInBins,
+    BlockCyclic,
+    MechanismEvent,
+    NoBatching,
+    Poisson,
+    PrivacyResult,
+    account,
+    parse_batching,
+    prepare,
+    run_identity,
+    run_mismatch,
+)
+from ..accounting.base import require_guarantee
+from ..errors import CorrnoiseError, check_int, check_real
+from ..participation import covers, parse_participation
+from ..sampling import BatchSampler
+from ..strategies import Strategy
+
+__all__ = ["Agreement", "accounted_steps", "balls_in_bins_accounted_steps", "check_agreement", "matching_guarantee",
+           "privacy_spent", "refuse_non_guarantees"]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What :func:`check_agreement` established: the run's steps, batching and accounting method,
+    and the :class:`~corrnoise.accounting.MechanismEvent` (without noise) that passed the gate."""
+
+    steps: int
+    batching: Any
+    method: str
+    event: MechanismEvent | None = None
+
+
+def _same_batching(a, b) -> bool:
+    """Whether accounting batching ``a`` describes sampler batching ``b``: same scheme and the
+    same sampling rate, where the accounted rate may exceed the sampler's by round-off but never
+    fall below it (a smaller accounted p would understate epsilon)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Poisson):
+        return b.p <= a.p <= b.p * (1 + 1e-9)
+    if isinstance(a, BlockCyclic):
+        return a.blocks == b.blocks and b.p <= a.p <= b.p * (1 + 1e-9)
+    if isinstance(a, BallsInBins):
+        return a.bins == b.bins
+    return True
+
+
+def check_agreement(
+    strategy: Strategy,
+    *,
+    sampler: BatchSampler | None = None,
+    batching: Any = None,
+    participation: Any = None,
+    steps: int | None = None,
+    method: str = "auto",
+    delta: float = 1e-5,
+) -> Agreement:
+    """Check that sampler and accounting describe one run, then pass the run's
+    :class:`~corrnoise.accounting.MechanismEvent` through the accounting gate
+    (:func:`corrnoise.accounting.prepare`); raise a CorrnoiseError naming the first parameter
+    that disagrees.
+
+    ``batching`` / ``participation`` are the accounting's (``--batching`` spellings); with a
+    ``sampler`` they default to what the sampler supports and must otherwise equal it.
+    ``steps`` defaults to the sampler's.  Only the sampler's agreement with the accounting is
+    checked here; the mechanism against the batching (steps <= n, bands <= blocks, square C,
+    participation fits ...) is the gate's.
+    """
+    if not isinstance(strategy, Strategy):
+        raise CorrnoiseError("mechanism", f"must be a corrnoise Strategy, got {type(strategy).__name__}")
+    if sampler is not None and not isinstance(sampler, BatchSampler):
+        raise CorrnoiseError("sampler", f"must be a corrnoise.sampling sampler, got {type(sampler).__name__}")
+    if steps is None:
+        if sampler is None:
+            raise CorrnoiseError("steps", "give the number of steps or a sampler")
+        steps = sampler.steps
+    steps = check_int("steps", steps, minimum=1)
+    if sampler is not None and steps > sampler.steps:
+        raise CorrnoiseError("steps", f"{steps} steps but the sampler yields only {sampler.steps} batches")
+    check_real("delta", delta, low=0.0, high=1.0, low_open=True, high_open=True)
+
+    # --- the accounting's batching vs the sampler's -----------------------------------------
+    if sampler is not None:
+        own = sampler.batching()
+        if batching is None:
+            chosen = own
+            if participation is not None and isinstance(own, NoBatching):
+                chosen = parse_batching("none", participation)
+        elif hasattr(batching, "spec"):
+            chosen = batching
+        elif str(batching).strip().lower() == "none":
+            chosen = parse_batching("none", participation if participation is not None else sampler.participation)
+        else:
+            chosen = parse_batching(batching, participation)
+        if not _same_batching(chosen, own):
+            raise CorrnoiseError(
+                "batching", f"the accounting assumes {chosen.spec} but {type(sampler).__name__} does "
+                f"{own.spec}; account with --batching {own.spec} or use a matching sampler")
+        if isinstance(chosen, NoBatching):
+            actual = parse_participation(sampler.participation)
+            if not covers(chosen.participation, actual):
+                raise CorrnoiseError(
+                    "participation", f"the accounting assumes {chosen.participation.spec} but the sampler's "
+                    f"examples participate as {actual.spec}; use participation {actual.spec}")
+        batching = chosen
+    else:
+        if batching is None:
+            raise CorrnoiseError("batching", "give the batching (none, poisson:P, block-cyclic:BLOCKS:P, "
+                                 "balls-in-bins:BINS) or a sampler")
+        if not hasattr(batching, "spec"):
+            none = str(batching).strip().lower() == "none"
+            batching = parse_batching(batching, participation if none else None)
+
+    # --- the mechanism vs the batching: the accounting gate, nowhere else --------------------
+    event = MechanismEvent(strategy, batching, steps=steps)
+    spec = prepare(event, method)
+    return Agreement(steps=event.steps, batching=event.batching, method=spec.name, event=event)
+
+
+def privacy_spent(strategy: Strategy, batching, *, noise_std: float, delta: float, steps: int,
+                  planned_steps: int | None = None, method: str = "auto", **options: Any) -> PrivacyResult:
+    """(epsilon, delta) after ``steps`` steps of ``strategy`` with this noise and batching.
+
+    Amplified batchings analyse the leading ``steps`` x ``steps`` block of C (fewer steps, fewer
+    compositions); unamplified accounting analyses the ``planned_steps`` block, the run its
+    participation schema describes (conservative before the end of the run). Balls-in-bins
+    batching analyses the leading ceil(steps / bins) * bins steps (whole epochs; conservative
+    mid-epoch). ``extras["accounted_steps"]`` is the number of steps analysed. Zero steps: 0.
+    Only a formal guarantee is reported (Monte Carlo: verified, seed 000 Thm 2.1); options asking
+    for an estimate or a lower bound raise.
+    """
+    if steps == 0:
+        return PrivacyResult(0.0, delta, noise_std, math.nan, "none", {"steps": 0})
+    if isinstance(batching, NoBatching):
+        analysed = max(steps, planned_steps or steps)
+    else:
+        analysed = accounted_steps(batching, steps)  # MechanismEvent checks <= n
+    event = MechanismEvent(strategy, batching, noise_std=noise_std, steps=analysed)
+    result = require_guarantee(account(event, delta=delta, method=method, **options), "privacy_spent")
+    return result.with_extras(steps=int(steps), accounted_steps=int(analysed))
+
+
+def balls_in_bins_accounted_steps(steps: int, bins: int) -> int:
+    """ceil(steps / bins) * bins: the steps accounted after ``steps`` steps of balls-in-bins
+    batching, whose Monte Carlo accounting (seed 000 Lemma 3.2) needs whole epochs of ``bins``
+    steps. Conservative: row t of C^{-1} Z, hence the noise of step t, depends only on rows
+    <= t of Z (C lower triangular), so the first ``steps`` outputs are post-processing of the
+    longer run's outputs and their epsilon is at most the longer run's."""
+    return -(-int(steps) // int(bins)) * int(bins)
+
+
+def accounted_steps(batching, steps: int) -> int:
+    """The steps an amplified accounting analyses after ``steps`` steps (whole epochs for
+    balls-in-bins, :func:`balls_in_bins_accounted_steps`; the steps themselves otherwise)."""
+    if isinstance(batching, BallsInBins):
+        return balls_in_bins_accounted_steps(steps, batching.bins)
+    return steps
+
+
+def refuse_non_guarantees(accounting_options: dict[str, Any] | None) -> None:
+    """Training noise and ``privacy_spent`` rest on formal guarantees only (seed 000 Thm 2.1:
+    an unverified Monte Carlo estimate is never released; an MMCC lower bound proves nothing), so
+    accounting options asking for either are refused before anything runs."""
+    for name in ("estimate", "lower_bound"):
+        if (accounting_options or {}).get(name):
+            raise CorrnoiseError(name, f"training needs a formal (epsilon, delta) guarantee; accounting option "
+                                 f"{name}=True would give none (drop it)")
+
+
+def matching_guarantee(guarantee: PrivacyResult, agreement: Agreement, delta: float) -> PrivacyResult:
+    """``guarantee`` if it is the accounting of exactly this run (the mechanism by its
+    fingerprint, steps, batching and participation: :func:`~corrnoise.accounting.run_identity`;
+    delta no larger), else a one-line error naming ``guarantee`` and what differs."""
+    event = agreement.event
+    why = run_mismatch(guarantee, {"mechanism": event.mechanism.label, **run_identity(event)})
+    if why is not None:
+        raise CorrnoiseError("guarantee", f"was computed for {why}")
+    if guarantee.delta > delta:
+        raise CorrnoiseError("guarantee", f"has delta {guarantee.delta:g} > the run's delta {delta:g}")
+    return guarantee
