@@ -166,6 +166,8 @@ class RunPlan:
             raise CorrnoiseError("plan", f"unsupported plan file version {doc.get('version')!r} (expected {VERSION})")
         try:
             return _load(doc, path)
+        except CorrnoiseError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise CorrnoiseError("plan", f"{str(path)!r} is malformed ({type(exc).__name__}: {exc})") from None
 
