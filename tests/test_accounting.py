@@ -1,6 +1,8 @@
 """Accounting interface, exact Gaussian/GDP, DP-SGD (PLD/RDP), block-cyclic BandMF, calibration, CLI.
 
-Independent references: numerical integration of the hockey-stick divergence, dp_accounting
+Also: batching specs given with a participation, delta(epsilon) in the library and the command
+line, and BandMF with blocks of unequal lengths (regressions from a privacy review and issues
+#8/#9; each failed before its fix). Independent references: numerical integration of the hockey-stick divergence, dp_accounting
 (installed from the registry) with events built by hand, the unamplified multi-participation
 sensitivity path of :mod:`corrnoise.losses`, and the published noise multipliers of seed 000 Fig. 28.
 """
@@ -39,6 +41,7 @@ from corrnoise.accounting import (
 )
 from corrnoise.accounting import base as acc_base
 from corrnoise.errors import CorrnoiseError
+from corrnoise.losses import mechanism_sensitivity
 from corrnoise.participation import Cyclic
 from corrnoise.strategies import Banded, BandedSqrt, Dense, Identity, Toeplitz, parse_strategy
 
@@ -483,3 +486,111 @@ def test_gaussian_calibration_at_tiny_epsilon_is_quick_and_valid(epsilon):
     assert gaussian_delta(epsilon, mu) <= 1e-5
     assert gaussian_epsilon(1e-5, mu) <= epsilon * (1.0 + 1e-6)
     assert gaussian_delta(epsilon, mu * 1.001) > 1e-5  # and it is the largest such mu (within 0.1%)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching specs given with a participation (a privacy review: each failed before its fix)
+# ---------------------------------------------------------------------------------------------
+def test_parse_batching_never_drops_a_participation_given_with_a_nobatching_value():
+    """parse_batching(NoBatching(), 'cyclic:5:2') used to return NoBatching(Single()) silently:
+    accounting it would use the single-participation sensitivity (2.5x smaller mu here) and
+    understate epsilon.  The participation must either be honoured or refused."""
+    strategy = parse_strategy("bsr:2", 10)
+    asked = Cyclic(5, 2)
+    try:
+        batching = parse_batching(NoBatching(), "cyclic:5:2")
+    except CorrnoiseError as exc:
+        assert exc.param == "participation"
+        return
+    assert batching.participation == asked
+    expected = mechanism_sensitivity(strategy, asked).value  # sens(C, Pi) with Pi = cyclic:5:2
+    result = account(strategy, batching, delta=1e-5, noise_std=1.0)
+    assert result.extras["sensitivity"] == pytest.approx(expected)
+
+
+def test_parse_batching_accepts_a_matching_participation_with_a_nobatching_value():
+    batching = parse_batching(NoBatching(Cyclic(5, 2)), "cyclic:5:2")
+    assert batching.participation == Cyclic(5, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# delta(epsilon), in the library and on the command line
+# ---------------------------------------------------------------------------------------------
+def _one_line(exc_info, param):
+    msg = str(exc_info.value)
+    assert exc_info.value.param == param and "\n" not in msg and msg.startswith(param + ":"), msg
+
+
+def test_delta_of_epsilon_in_the_library():
+    strategy = parse_strategy("identity", 20)
+    exact = account(strategy, "none", noise_std=0.8, epsilon=1.0)
+    assert exact.delta == pytest.approx(gaussian_delta(1.0, 1 / 0.8), rel=1e-12) and exact.epsilon == 1.0
+    coarse = {"discretization": 1e-2}  # fast; still a pessimistic (valid) PLD
+    pld = account(strategy, "poisson:0.1", noise_multiplier=1.0, epsilon=2.0, **coarse)
+    assert account(strategy, "poisson:0.1", noise_multiplier=1.0, delta=pld.delta, **coarse).epsilon <= 2.0
+    assert account(strategy, "poisson:0.1", noise_multiplier=1.0, delta=pld.delta * 0.99, **coarse).epsilon > 2.0
+    mc = account(parse_strategy("bsr:2", 6), "balls-in-bins:3", noise_std=1.5, epsilon=2.0, samples=4000)
+    assert mc.kind == "guarantee" and mc.extras["verified"] is True
+    assert max(mc.extras["delta_add"], mc.extras["delta_remove"]) <= mc.delta / 1.25
+    with pytest.raises(CorrnoiseError) as e:
+        account(strategy, "none", noise_std=0.8, epsilon=1.0, delta=1e-5)
+    _one_line(e, "delta")
+
+
+def test_cli_reports_delta_of_epsilon_without_delta(capsys):
+    code, out, err = _run(capsys, "account", "identity", "--n", "20", "--batching", "none", "--noise-std", "0.8",
+                         "--epsilon", "1", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["delta"] == pytest.approx(gaussian_delta(1.0, 1 / 0.8), rel=1e-12) and data["kind"] == "guarantee"
+    code, out, err = _run(capsys, "account", "identity", "--n", "20", "--batching", "none", "--noise-std", "0.8",
+                         "--epsilon", "1", "--delta", "1e-5")
+    assert code == 2 and out == "" and err.startswith("error: noise:")
+
+
+def test_cli_estimate_and_verify_samples(capsys):
+    base = ["account", "bsr:2", "--n", "6", "--batching", "balls-in-bins:3", "--noise-std", "1.5", "--delta", "1e-2",
+            "--samples", "4000", "--json"]
+    code, out, err = _run(capsys, *base, "--estimate")
+    assert code == 0, err
+    assert json.loads(out)["kind"] == "estimate" and json.loads(out)["verified"] is None
+    code, out, err = _run(capsys, *base, "--verify-samples", "500")  # failure probability > delta: refused
+    assert code == 2 and out == "" and err.startswith("error: verify:") and len(err.strip().splitlines()) == 1
+    code, out, err = _run(capsys, "account", "bsr:2", "--n", "6", "--batching", "balls-in-bins:3", "--epsilon", "2",
+                         "--delta", "1e-2", "--samples", "4000", "--estimate")
+    assert code == 2 and out == "" and err.startswith("error: estimate:")
+    code, out, err = _run(capsys, "account", "identity", "--n", "20", "--batching", "poisson:0.1", "--sigma", "1",
+                         "--delta", "1e-5", "--estimate")
+    assert code == 2 and err.startswith("error: estimate:")
+
+
+# ---------------------------------------------------------------------------------------------
+# BandMF with blocks of unequal lengths (tutorial Thm 3.21: the actual visits of each block)
+# ---------------------------------------------------------------------------------------------
+def _independent_block_cyclic_epsilon(C: np.ndarray, blocks: int, p: float, noise_std: float, delta: float) -> float:
+    """Every visit composed on its own in dp_accounting (no grouping): block k's examples are in
+    the steps t = k mod blocks, each a Poisson-subsampled Gaussian with sensitivity ||C[:, t]||."""
+    import dp_accounting
+    from dp_accounting import pld
+
+    norms = np.linalg.norm(C, axis=0)
+    worst = 0.0
+    for k in range(blocks):
+        acc = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-3)
+        for t in range(k, C.shape[0], blocks):
+            acc.compose(dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(noise_std / norms[t])))
+        worst = max(worst, acc.get_epsilon(delta))
+    return worst
+
+
+def test_bandmf_accounts_the_actual_visits_of_unequal_blocks():
+    """bsr:4, n = 66, 5 blocks (block 0 visited 14 times, its last visit a one-entry column):
+    1.2619 before (14 full-sensitivity visits), 1.2436 by exact composition."""
+    strategy = parse_strategy("bsr:4", 66)
+    r = account(strategy, "block-cyclic:5:0.1", noise_std=2.0, delta=1e-5)
+    assert r.method == "bandmf" and r.epsilon == pytest.approx(1.2436, abs=1e-4)
+    assert r.extras["worst_block"] == 0 and r.extras["exact_visit_norms"] is True
+    # the same at a coarser PLD grid (fast) against every visit composed on its own
+    coarse = account(strategy, "block-cyclic:5:0.1", noise_std=2.0, delta=1e-5, discretization=1e-3)
+    want = _independent_block_cyclic_epsilon(strategy.matrix(), 5, 0.1, 2.0, 1e-5)
+    assert coarse.epsilon == pytest.approx(want, rel=1e-6)

@@ -515,16 +515,6 @@ def test_opacus_make_private_with_a_noise_multiplier_is_dp_sgd():
     assert math.isclose(opt.noise_multiplier, 1.1)
 
 
-def test_balls_in_bins_from_epochs_runs_whole_epochs_when_the_batch_does_not_divide_the_data():
-    from corrnoise.torch.optimizer import make_sampler
-
-    sampler = make_sampler("balls-in-bins", 1, 1437, 256, epochs=2)  # 1437 / 256 = 5.6: 5 bins
-    assert (sampler.steps, sampler.bins) == (10, 5)
-    with pytest.raises(CorrnoiseError) as e:
-        make_sampler("balls-in-bins", 1, 1437, 256, epochs=1.5)
-    assert e.value.param == "epochs"
-
-
 def test_a_checkpoint_of_another_mechanism_with_the_same_label_is_refused():
     """Two 2-buffer BLTs are both labelled blt(d=2); the checkpoint's fingerprint of C tells them
     apart (adopting the other's noise and guarantee would report an epsilon the run does not have)."""

@@ -4,7 +4,9 @@ Every entry point -- account, calibrate, torch make_private, the PrivacyEngine a
 layers over it (``corrnoise train`` and the planner reach the gate through make_private and
 calibrate) -- must refuse an event whose accounting method's preconditions fail with
 the SAME one-line error (same parameter, same text): there is one gate
-(:func:`corrnoise.accounting.prepare`) and no copies of its checks.
+(:func:`corrnoise.accounting.prepare`) and no copies of its checks. Also the result kinds the
+gate lets through: only a formal guarantee sizes noise (a lower bound or an estimate never does),
+and an option a method does not take is refused, never dropped silently.
 """
 
 from __future__ import annotations
@@ -226,3 +228,32 @@ def test_event_steps_account_the_leading_block():
     short = account(MechanismEvent(c, Poisson(0.1), 2.0, steps=5), delta=1e-5)
     assert short.epsilon == account(Identity(5), Poisson(0.1), noise_std=2.0, delta=1e-5).epsilon
     assert short.extras["n"] == 5 and math.isfinite(short.epsilon)
+
+
+# --- result kinds and options through the gate ---------------------------------------------------
+def _one_line(exc_info, param):
+    msg = str(exc_info.value)
+    assert exc_info.value.param == param and "\n" not in msg and msg.startswith(param + ":"), msg
+
+
+def test_mmcc_lower_bound_is_kind_lower_bound_and_cannot_size_noise():
+    strategy = parse_strategy("toeplitz-sqrt", 6)
+    low = account(strategy, "poisson:0.5", noise_std=2.0, delta=1e-5, method="mmcc", lower_bound=True)
+    assert low.kind == "lower_bound" and low.to_dict()["kind"] == "lower_bound"
+    assert account(strategy, "poisson:0.5", noise_std=2.0, delta=1e-5, method="mmcc").kind == "guarantee"
+    with pytest.raises(CorrnoiseError) as e:
+        calibrate(strategy, "poisson:0.5", epsilon=4.0, delta=1e-5, method="mmcc", lower_bound=True)
+    _one_line(e, "lower_bound")
+
+
+@pytest.mark.parametrize("option", [{"verify": True}, {"discretisation": 0.5}, {"samples": 1000}])
+def test_an_option_the_method_does_not_take_is_refused(option):
+    """account(..., verify=True, discretisation=0.5) under pld dropped both silently."""
+    name = next(iter(option))
+    with pytest.raises(CorrnoiseError) as e:
+        account(parse_strategy("identity", 20), "poisson:0.1", noise_multiplier=1.0, delta=1e-5, method="pld",
+                **option)
+    _one_line(e, name)
+    with pytest.raises(CorrnoiseError) as e:
+        calibrate(parse_strategy("identity", 20), "poisson:0.1", epsilon=2.0, delta=1e-5, method="pld", **option)
+    _one_line(e, name)

@@ -17,6 +17,7 @@ from corrnoise.sampling import (
     CyclicSampler,
     MinSepSampler,
     PoissonSampler,
+    make_sampler,
 )
 
 
@@ -217,3 +218,12 @@ def test_seed_defaults_to_os_entropy_and_reseed_rebuilds_the_seeded_sampler():
     assert [s.amplified for s in a] == [True, True, False, True, True, False]
     with pytest.raises(CorrnoiseError, match="seed"):
         a[0].reseed(-1)
+
+
+# --- the sampler of a batching name (make_sampler) ----------------------------------------------
+def test_balls_in_bins_from_epochs_runs_whole_epochs_when_the_batch_does_not_divide_the_data():
+    sampler = make_sampler("balls-in-bins", 1, 1437, 256, epochs=2)  # 1437 / 256 = 5.6: 5 bins
+    assert (sampler.steps, sampler.bins) == (10, 5)
+    with pytest.raises(CorrnoiseError) as e:
+        make_sampler("balls-in-bins", 1, 1437, 256, epochs=1.5)
+    assert e.value.param == "epochs"

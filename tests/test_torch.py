@@ -1,10 +1,11 @@
 """Privacy properties of the PyTorch layer, all against the one engine (the front door
 :func:`corrnoise.torch.make_private`) and the layers over it (:func:`make_private_run`, the
-Opacus-style :class:`PrivacyEngine`): the plan's agreement refusals, the privatizer, the noise
+Opacus-style :class:`PrivacyEngine`): the privatizer, the noise
 row of each step, steps past the plan, secret noise seeds, checkpoint resume refusals,
 non-finite and low-precision per-example gradients, empty Poisson batches, balls-in-bins
 padding and mid-run accounting. The torch.func per-example reference (:mod:`.per_example`) is
-checked here too, since the engine's tests compare against it.
+checked here too, since the engine's tests compare against it. The torch-free agreement of
+sampler, mechanism and accounting is tested with the run plan (tests/test_runplan.py).
 
 (Merged from test_torch.py, test_torch_hardening.py and test_review_training.py, issue #9 item 8.)"""
 
@@ -22,8 +23,8 @@ from corrnoise.errors import CorrnoiseError
 from corrnoise.noise import make_generator, seed_noise
 from corrnoise.sampling import BallsInBinsSampler, BlockCyclicPoissonSampler, CyclicSampler, PoissonSampler
 from corrnoise.strategies import BLT, Identity, parse_strategy
-from corrnoise.torch import PrivacyEngine, Privatizer, check_agreement, make_private, make_private_run
-from corrnoise.torch.optimizer import balls_in_bins_accounted_steps, leading_strategy, privacy_spent
+from corrnoise.torch import PrivacyEngine, Privatizer, make_private, make_private_run
+from corrnoise.torch.optimizer import leading_strategy, privacy_spent
 from corrnoise.torch.per_example import clipped_gradient_sum, per_example_gradients
 
 F = torch.nn.functional
@@ -204,58 +205,6 @@ def test_unamplified_run_shorter_than_the_mechanism_accounts_its_leading_block()
     spent = run.privacy_spent()
     assert spent.epsilon == pytest.approx(want.epsilon, rel=1e-12) and spent.epsilon <= 2.0
     assert spent.epsilon == pytest.approx(2.0, rel=1e-6)
-
-
-# --- agreement of sampler, mechanism and accounting ---------------------------------------------
-def test_steps_beyond_the_mechanism_are_refused():
-    with pytest.raises(CorrnoiseError) as e:
-        check_agreement(Identity(5), sampler=PoissonSampler(100, 0.1, 6, seed=0))
-    _one_line(e, "steps")
-
-
-def test_bands_beyond_blocks_are_refused():
-    from corrnoise.accounting import method_available
-
-    sampler = BlockCyclicPoissonSampler(100, 2, 0.1, 20, seed=0)
-    with pytest.raises(CorrnoiseError) as e:  # tutorial Thm 3.21 needs bands <= blocks
-        check_agreement(parse_strategy("bsr:4", 20), sampler=sampler, method="bandmf")
-    _one_line(e, "batching")  # the accounting gate's parameter, as from account() (tests/test_gate.py)
-    if not method_available("mmcc"):
-        with pytest.raises(CorrnoiseError) as e:
-            check_agreement(parse_strategy("bsr:4", 20), sampler=sampler)
-        _one_line(e, "batching")
-    assert check_agreement(parse_strategy("bsr:2", 20), sampler=sampler).method == "bandmf"
-
-
-def test_poisson_with_a_banded_mechanism_is_refused():
-    from corrnoise.accounting import method_available
-
-    sampler = PoissonSampler(100, 0.1, 20, seed=0)
-    with pytest.raises(CorrnoiseError) as e:  # DP-SGD accounting needs a diagonal C
-        check_agreement(parse_strategy("bsr:2", 20), sampler=sampler, method="pld")
-    _one_line(e, "method")  # the accounting gate's parameter, as from account(..., method="pld")
-    if not method_available("mmcc"):  # else MMCC (seed 001) accounts it
-        with pytest.raises(CorrnoiseError) as e:
-            check_agreement(parse_strategy("bsr:2", 20), sampler=sampler)
-        _one_line(e, "method")
-
-
-def test_accounting_must_match_the_sampler():
-    sampler = PoissonSampler(100, 0.1, 20, seed=0)
-    with pytest.raises(CorrnoiseError) as e:
-        check_agreement(Identity(20), sampler=sampler, batching="poisson:0.2")
-    _one_line(e, "batching")
-    with pytest.raises(CorrnoiseError) as e:
-        check_agreement(Identity(20), sampler=CyclicSampler(100, 10, steps=20, seed=0), batching="poisson:0.1")
-    _one_line(e, "batching")
-    # cyclic batches: 2 epochs of 10 batches; accounting for one participation is wrong
-    with pytest.raises(CorrnoiseError) as e:
-        check_agreement(Identity(20), sampler=CyclicSampler(100, 10, steps=20, seed=0), batching="none",
-                        participation="single")
-    _one_line(e, "participation")
-    ok = check_agreement(Identity(20), sampler=CyclicSampler(100, 10, steps=20, seed=0), batching="none",
-                         participation="minsep:2:10")  # a superset of the cyclic patterns is fine
-    assert ok.method == "gaussian" and ok.steps == 20
 
 
 def test_make_private_errors_name_the_parameter():
@@ -486,10 +435,6 @@ def test_fixed_size_balls_in_bins_batches_pad_with_zero_weight():
             torch.testing.assert_close(p.grad, s / 8.0)
         opt.zero_grad()
     assert padded == sampler.padding_report()["padded"] > 0
-
-
-def test_balls_in_bins_accounted_steps_round_up_to_whole_epochs():
-    assert [balls_in_bins_accounted_steps(t, 5) for t in (1, 4, 5, 6, 10, 11)] == [5, 5, 5, 10, 10, 15]
 
 
 def test_mid_run_balls_in_bins_privacy_spent_accounts_the_rounded_up_steps():

@@ -1,0 +1,334 @@
+"""The run as one value (:mod:`corrnoise.runplan`): :func:`plan_run` decides mechanism, batching,
+sampler and noise once; a :class:`RunPlan` round-trips through its file and is re-checked by
+content on load (a tampered plan is refused in one line naming the field); ``make_private(plan=)``
+trains exactly it and refuses a loader or length other than the plan's; ``corrnoise plan
+--plan-out`` then ``corrnoise train --plan`` trains the planned run without planning again. Also
+the torch-free agreement of sampler, mechanism and accounting (moved from test_torch.py) and the
+one vocabulary of batchings and pipelines."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.data import DataLoader, TensorDataset
+
+from corrnoise.cli import cli
+from corrnoise.errors import CorrnoiseError
+from corrnoise.runplan import RunPlan, balls_in_bins_accounted_steps, check_agreement, plan_run
+from corrnoise.sampling import BlockCyclicPoissonSampler, CyclicSampler, PoissonSampler
+from corrnoise.strategies import Dense, Identity, parse_strategy
+from corrnoise.torch import make_private
+
+N, B = 100, 10
+
+
+def _one_line(exc_info, param):
+    msg = str(exc_info.value)
+    assert exc_info.value.param == param and "\n" not in msg and msg.startswith(param + ":"), msg
+
+
+def _data(n=N):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def _dense(steps=20):
+    rng = np.random.default_rng(0)
+    return Dense(np.tril(rng.uniform(0.0, 0.3, size=(steps, steps))) + np.eye(steps))
+
+
+def _front(plan=None, n=N, batch=B, **kwargs):
+    model = torch.nn.Linear(4, 2)
+    return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(n), batch_size=batch),
+                        plan=plan, max_grad_norm=1.0, noise_seed=0, **kwargs)
+
+
+#: (mechanism, batching, noise): a guarantee by PLD/BandMF, by the exact Gaussian, none (noise given), and a
+#: mechanism whose arrays live in the .npz beside the mechanism file
+CASES = {
+    "bandmf": ("bsr:2", "auto", {"epsilon": 4.0}),
+    "gaussian": ("dpcgd:0.5", "cyclic", {"epsilon": 2.0}),
+    "given-noise": ("identity", "poisson", {"noise_multiplier": 1.0}),
+    "balls-in-bins": ("dpcgd:0.5", "balls-in-bins", {"noise_std": 2.0}),
+    "dense-arrays": (None, "cyclic", {"epsilon": 3.0}),
+}
+
+
+def _plan(case, **kwargs):
+    mechanism, batching, noise = CASES[case]
+    return plan_run(dataset_size=N, batch_size=B, mechanism=mechanism if mechanism else _dense(), batching=batching,
+                    delta=1e-5, epochs=2, **noise, **kwargs)
+
+
+# --- the value and its file ------------------------------------------------------------------------
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_plan_round_trips_through_its_file(tmp_path, case):
+    plan = _plan(case)
+    assert plan.noise_std > 0 and plan.steps == 20 and plan.sampler.steps == 20
+    assert (plan.guarantee is None) == ("epsilon" not in CASES[case][2])
+    loaded = RunPlan.from_json(plan.to_json(tmp_path / "plan.json"))
+    assert loaded.fingerprint == plan.fingerprint
+    assert loaded.noise_std == plan.noise_std and loaded.noise_multiplier == plan.noise_multiplier
+    assert (loaded.guarantee is None) == (plan.guarantee is None)
+    if plan.guarantee is not None:
+        assert loaded.guarantee.to_dict() == plan.guarantee.to_dict()
+        assert loaded.guarantee.noise_std == loaded.noise_std
+    assert loaded.batching == plan.batching and loaded.steps == plan.steps and loaded.sampler == plan.sampler
+    assert (loaded.dataset_size, loaded.batch_size, loaded.epochs, loaded.steps_per_epoch, loaded.delta) == \
+        (plan.dataset_size, plan.batch_size, plan.epochs, plan.steps_per_epoch, plan.delta)
+    assert (loaded.method, loaded.label, loaded.pipeline) == (plan.method, plan.label, plan.pipeline)
+    assert "seed" not in json.loads((tmp_path / "plan.json").read_text())["sampler"]["description"]
+
+
+def _tamper(path, change):
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+def _refused(path, param):
+    with pytest.raises(CorrnoiseError) as e:
+        RunPlan.from_json(path)
+    _one_line(e, param)
+    return str(e.value)
+
+
+def test_a_changed_mechanism_array_is_refused(tmp_path):
+    path = _plan("dense-arrays").to_json(tmp_path / "plan.json")
+    npz = tmp_path / "plan.mechanism.npz"
+    with np.load(npz) as data:
+        arrays = {k: data[k].copy() for k in data.files}
+    key = next(iter(arrays))
+    arrays[key][5, 2] += 1e-9  # one entry, barely
+    np.savez(npz, **arrays)
+    assert "fingerprint" in _refused(path, "mechanism")
+
+
+def test_a_changed_mechanism_parameter_is_refused(tmp_path):
+    path = _plan("bandmf").to_json(tmp_path / "plan.json")
+    mechanism = tmp_path / "plan.mechanism.json"
+    doc = json.loads(mechanism.read_text())
+    doc["n"] = doc["n"] + 1  # another C under the same label
+    mechanism.write_text(json.dumps(doc))
+    _refused(path, "mechanism")
+
+
+@pytest.mark.parametrize("case, field, change", [
+    ("bandmf", "noise_std", lambda d: d.update(noise_std=d["noise_std"] * 0.9)),  # less noise than calibrated
+    ("gaussian", "noise_std", lambda d: d.update(noise_std=d["noise_std"] * 1.1)),
+    ("bandmf", "batching", lambda d: d.update(batching="block-cyclic:2:0.1")),
+    ("given-noise", "batching", lambda d: d.update(batching="poisson:0.05")),
+    ("gaussian", "batching", lambda d: d.update(participation="single")),
+    ("bandmf", "mechanism", lambda d: d.update(fingerprint="0" * 64)),
+    ("bandmf", "mechanism", lambda d: d["guarantee"].update(fingerprint="0" * 64)),
+    ("gaussian", "steps", lambda d: d.update(steps=10)),
+    ("gaussian", "dataset_size", lambda d: d.update(dataset_size=200)),
+    ("gaussian", "batch_size", lambda d: d.update(batch_size=20)),
+    ("gaussian", "delta", lambda d: d.update(delta=1e-6)),
+    ("gaussian", "guarantee", lambda d: d["guarantee"].update(kind="estimate")),
+    ("given-noise", "estimate", lambda d: d.update(accounting_options={"estimate": True})),
+])
+def test_a_tampered_plan_is_refused_naming_the_field(tmp_path, case, field, change):
+    path = _plan(case).to_json(tmp_path / "plan.json")
+    _tamper(path, change)
+    _refused(path, field)
+
+
+def test_a_file_that_is_not_a_plan_is_refused(tmp_path):
+    (tmp_path / "x.json").write_text("{}")
+    _refused(tmp_path / "x.json", "plan")
+    with pytest.raises(CorrnoiseError) as e:
+        _plan("gaussian").to_json(tmp_path / "plan.txt")
+    _one_line(e, "plan")
+
+
+# --- make_private(plan=) -----------------------------------------------------------------------
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_make_private_with_a_plan_is_the_keywords_run(tmp_path, case):
+    mechanism, batching, noise = CASES[case]
+    keywords = dict(mechanism=mechanism if mechanism else _dense(), batching=batching, delta=1e-5, epochs=2, **noise)
+    _, by_keywords, loader_k = _front(**keywords)
+    plan = RunPlan.from_json(_plan(case).to_json(tmp_path / "plan.json"))
+    _, by_plan, loader_p = _front(plan)
+    assert by_plan.noise_std == by_keywords.noise_std
+    assert by_plan.strategy.label == by_keywords.strategy.label and by_plan.plan.fingerprint == plan.fingerprint
+    assert by_plan.batching == by_keywords.batching and by_plan.steps == by_keywords.steps
+    assert by_plan.sampler.describe() == by_keywords.sampler.describe() and len(loader_p) == len(loader_k)
+    assert (by_plan.calibration is None) == (by_keywords.calibration is None)
+    if plan.guarantee is not None:
+        assert by_plan.run_guarantee().epsilon == plan.guarantee.epsilon == by_keywords.run_guarantee().epsilon
+
+
+@pytest.mark.parametrize("loader, given, param", [
+    ({"n": 90}, {}, "dataset_size"),
+    ({"batch": 20}, {}, "batch_size"),
+    ({}, {"steps": 10}, "steps"),
+    ({}, {"epochs": 3}, "epochs"),
+    ({}, {"epsilon": 2.0}, "epsilon"),
+    ({}, {"mechanism": "bsr:2"}, "mechanism"),
+    ({}, {"batching": "poisson"}, "batching"),
+    ({}, {"delta": 1e-6}, "delta"),
+])
+def test_a_plan_for_another_run_is_refused_naming_the_field(loader, given, param):
+    plan = _plan("gaussian")
+    with pytest.raises(CorrnoiseError) as e:
+        _front(plan, **loader, **given)
+    _one_line(e, param)
+    _front(plan, steps=20, delta=1e-5)  # what agrees is fine
+
+
+def test_a_plan_made_with_a_ready_sampler_trains_with_that_sampler():
+    sampler = PoissonSampler(N, 0.1, 20, seed=5)
+    plan = plan_run(dataset_size=N, batch_size=B, mechanism="identity", batching=sampler, noise_std=1.0, delta=1e-5)
+    assert plan.sampler.name is None
+    _, opt, _ = _front(plan, batching=sampler)
+    assert opt.sampler is sampler
+    with pytest.raises(CorrnoiseError) as e:
+        _front(plan)
+    _one_line(e, "batching")
+
+
+# --- corrnoise plan --plan-out, corrnoise train --plan --------------------------------------------------
+def _invoke(args):
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def test_train_from_a_planned_file_is_the_planned_run(tmp_path):
+    """The planner's recommendation, as a file, trained as is: the same noise_std and guarantee."""
+    path = str(tmp_path / "plan.json")
+    planned = _invoke(["plan", "--dataset-size", "1437", "--batch-size", "128", "--epochs", "1", "--epsilon", "4",
+                       "--delta", "1e-5", "--only", "dpsgd", "--pipeline", "poisson", "--plan-out", path,
+                       "--mechanism-file", str(tmp_path / "rec.json"), "--json"])
+    assert planned["plan_file"] == path
+    plan = RunPlan.from_json(path)
+    assert plan.noise_std == planned["recommended"]["noise_std"]
+    out = _invoke(["train", "--dataset", "digits", "--plan", path, "--device", "cpu", "--json"])
+    assert out["noise_std"] == plan.noise_std and out["epsilon"] == plan.guarantee.epsilon
+    assert out["kind"] == "guarantee" and out["batching"] == plan.batching.spec and out["steps"] == plan.steps
+    assert out["mechanism"] == plan.label == "dpsgd" and out["pipeline"] == "poisson"
+
+
+def test_train_from_a_plan_of_a_named_mechanism_is_that_run(tmp_path):
+    from corrnoise.training import train
+
+    plan = plan_run(dataset_size=1437, batch_size=128, mechanism="bsr:2", pipeline="poisson", epsilon=4.0,
+                    delta=1e-5, epochs=1)
+    path = str(plan.to_json(tmp_path / "plan.json"))
+    out = _invoke(["train", "--dataset", "digits", "--plan", path, "--device", "cpu", "--json"])
+    assert out["noise_std"] == plan.noise_std and out["epsilon"] == plan.guarantee.epsilon
+    assert out["batching"] == plan.batching.spec and out["batching"].startswith("block-cyclic:2:")
+    direct = train("digits", "bsr:2", batching="poisson", epsilon=4.0, delta=1e-5, epochs=1, batch_size=128,
+                   device="cpu")
+    assert direct["noise_std"] == plan.noise_std and set(direct.to_dict()) == set(out)
+    assert len(out) == 26
+
+
+def test_train_refuses_a_plan_for_other_data(tmp_path, capsys):
+    from corrnoise.cli import main
+
+    plan = plan_run(dataset_size=1000, batch_size=128, mechanism="identity", batching="poisson", epsilon=4.0,
+                    delta=1e-5, epochs=1)
+    path = str(plan.to_json(tmp_path / "plan.json"))
+    assert main(["train", "--dataset", "digits", "--plan", path, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: dataset_size:") and "\n" not in err
+    assert main(["train", "--dataset", "digits", "--plan", path, "--batch-size", "64"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: batch_size:")
+    assert main(["train", "--dataset", "digits", "--epsilon", "2"]) == 2  # neither a budget nor a plan
+    assert capsys.readouterr().err.strip().startswith("error: delta:")
+    assert main(["plan", "--steps", "20", "--epochs", "2", "--epsilon", "2", "--delta", "1e-5",
+                 "--plan-out", str(tmp_path / "p.json")]) == 2  # a plan file is of a data set
+    assert capsys.readouterr().err.strip().startswith("error: plan_out:")
+
+
+# --- one vocabulary ----------------------------------------------------------------------------------
+def test_the_batching_names_are_written_out_in_one_module():
+    """No module but corrnoise.pipelines writes a collection of batching / pipeline names."""
+    names = {"poisson", "block-cyclic", "cyclic", "balls-in-bins"}
+    src = pathlib.Path(__file__).resolve().parents[1] / "src" / "corrnoise"
+    holders = set()
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                if len({e.value for e in items if isinstance(e, ast.Constant)} & names) >= 2:
+                    holders.add(path.name)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "BatchingKind":
+                holders.add(path.name)
+    assert holders == {"pipelines.py"}
+
+
+def test_the_old_names_stay_importable():
+    from corrnoise.torch import front, optimizer
+    from corrnoise import training
+
+    for name in ("plan_private", "check_agreement", "make_sampler", "choose_batching", "privacy_spent",
+                 "check_run_size", "SAMPLINGS", "Agreement", "PrivatePlan"):
+        assert getattr(optimizer, name) is not None
+    assert front.plan_mechanism and front.planned_batching("none") == "cyclic" and front.BATCHINGS[0] == "auto"
+    assert training.candidate_choice and training.choose_mechanism and training.PIPELINES[0] == "auto"
+
+
+# --- agreement of sampler, mechanism and accounting (torch-free; was in test_torch.py) --------------
+
+def test_steps_beyond_the_mechanism_are_refused():
+    with pytest.raises(CorrnoiseError) as e:
+        check_agreement(Identity(5), sampler=PoissonSampler(100, 0.1, 6, seed=0))
+    _one_line(e, "steps")
+
+
+def test_bands_beyond_blocks_are_refused():
+    from corrnoise.accounting import method_available
+
+    sampler = BlockCyclicPoissonSampler(100, 2, 0.1, 20, seed=0)
+    with pytest.raises(CorrnoiseError) as e:  # tutorial Thm 3.21 needs bands <= blocks
+        check_agreement(parse_strategy("bsr:4", 20), sampler=sampler, method="bandmf")
+    _one_line(e, "batching")  # the accounting gate's parameter, as from account() (tests/test_gate.py)
+    if not method_available("mmcc"):
+        with pytest.raises(CorrnoiseError) as e:
+            check_agreement(parse_strategy("bsr:4", 20), sampler=sampler)
+        _one_line(e, "batching")
+    assert check_agreement(parse_strategy("bsr:2", 20), sampler=sampler).method == "bandmf"
+
+
+def test_poisson_with_a_banded_mechanism_is_refused():
+    from corrnoise.accounting import method_available
+
+    sampler = PoissonSampler(100, 0.1, 20, seed=0)
+    with pytest.raises(CorrnoiseError) as e:  # DP-SGD accounting needs a diagonal C
+        check_agreement(parse_strategy("bsr:2", 20), sampler=sampler, method="pld")
+    _one_line(e, "method")  # the accounting gate's parameter, as from account(..., method="pld")
+    if not method_available("mmcc"):  # else MMCC (seed 001) accounts it
+        with pytest.raises(CorrnoiseError) as e:
+            check_agreement(parse_strategy("bsr:2", 20), sampler=sampler)
+        _one_line(e, "method")
+
+
+def test_accounting_must_match_the_sampler():
+    sampler = PoissonSampler(100, 0.1, 20, seed=0)
+    with pytest.raises(CorrnoiseError) as e:
+        check_agreement(Identity(20), sampler=sampler, batching="poisson:0.2")
+    _one_line(e, "batching")
+    with pytest.raises(CorrnoiseError) as e:
+        check_agreement(Identity(20), sampler=CyclicSampler(100, 10, steps=20, seed=0), batching="poisson:0.1")
+    _one_line(e, "batching")
+    # cyclic batches: 2 epochs of 10 batches; accounting for one participation is wrong
+    with pytest.raises(CorrnoiseError) as e:
+        check_agreement(Identity(20), sampler=CyclicSampler(100, 10, steps=20, seed=0), batching="none",
+                        participation="single")
+    _one_line(e, "participation")
+    ok = check_agreement(Identity(20), sampler=CyclicSampler(100, 10, steps=20, seed=0), batching="none",
+                         participation="minsep:2:10")  # a superset of the cyclic patterns is fine
+    assert ok.method == "gaussian" and ok.steps == 20
+
+
+def test_balls_in_bins_accounted_steps_round_up_to_whole_epochs():
+    assert [balls_in_bins_accounted_steps(t, 5) for t in (1, 4, 5, 6, 10, 11)] == [5, 5, 5, 10, 10, 15]
