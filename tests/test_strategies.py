@@ -171,3 +171,62 @@ def test_planner_candidate_names_are_explained_not_misparsed(name):
     with pytest.raises(CorrnoiseError) as e:
         parse_strategy(name, 16)
     assert e.value.param == "mechanism" and "planner" in str(e.value)
+
+
+# --- a family registered in one place (docs/design.md, "Adding a mechanism") ---------------------
+from corrnoise.strategies import Toeplitz, load_mechanism, mechanism_fingerprint, register_family, save_mechanism  # noqa: E402
+from corrnoise.strategies.base import parse_float  # noqa: E402
+
+
+@register_family("geometric-test")
+class _Geometric(Toeplitz):
+    """A toy family, all of it in this class: c_t = alpha^t, named ``geometric-test:ALPHA``."""
+
+    kind = "geometric-test"
+
+    def __init__(self, alpha: float, n: int):
+        self.alpha = float(alpha)
+        super().__init__(self.alpha ** np.arange(n), n)
+
+    @property
+    def label(self):
+        return f"geometric-test:{self.alpha:g}"
+
+    def params(self):
+        return {"alpha": self.alpha}
+
+    def arrays(self):
+        return {}
+
+    @classmethod
+    def from_params(cls, n, params, arrays):
+        return cls(params["alpha"], n)
+
+    def with_n(self, n):
+        return type(self)(self.alpha, n)
+
+    @classmethod
+    def from_name(cls, args, n):
+        return cls(parse_float("alpha", args), n)
+
+
+def test_a_registered_family_is_named_saved_fingerprinted_and_trained(tmp_path):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from corrnoise.torch import make_private
+
+    C = parse_strategy("geometric-test:0.5", 20)
+    assert isinstance(C, _Geometric) and np.allclose(C.matrix()[:, 0], 0.5 ** np.arange(20))
+    loaded = load_mechanism(save_mechanism(C, tmp_path / "g.json"))
+    assert isinstance(loaded, _Geometric) and mechanism_fingerprint(loaded) == mechanism_fingerprint(C)
+    assert mechanism_fingerprint(_Geometric(0.6, 20)) != mechanism_fingerprint(C)
+    with pytest.raises(CorrnoiseError) as e:
+        parse_strategy("geometric-test:x", 20)
+    assert e.value.param == "alpha"
+    model = torch.nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    _, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=10),
+                             mechanism="geometric-test:0.5", batching="cyclic", epsilon=2.0, delta=1e-5, epochs=2,
+                             max_grad_norm=1.0)
+    assert opt.strategy.label == "geometric-test:0.5" and opt.run_guarantee().epsilon <= 2.0

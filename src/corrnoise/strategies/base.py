@@ -141,3 +141,47 @@ class Strategy(ABC):
         if n == self.n:
             return self
         raise CorrnoiseError("n", f"{self.label} was built for n = {self.n} steps and cannot be resized to {n}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Families that register themselves (docs/design.md, "Adding a mechanism")
+# ----------------------------------------------------------------------------------------------
+#: kind (as written in mechanism files) -> class of every registered family: the built-in kinds
+#: (:mod:`.kinds`) and those registered with :func:`register_family`.
+FAMILY_KINDS: dict[str, type[Strategy]] = {}
+#: name head (``HEAD:ARGS`` in the mechanism grammar, :func:`~corrnoise.strategies.parse_strategy`)
+#: -> class whose ``from_name(args, n)`` builds it.
+FAMILY_NAMES: dict[str, type[Strategy]] = {}
+
+
+def register_family(*names: str):
+    """Class decorator: register a Strategy family in one place -- its ``kind`` for mechanism files
+    (it round-trips through :meth:`Strategy.params`, :meth:`Strategy.arrays` and
+    ``from_params``, and is fingerprinted by them) and the name heads ``names`` of the mechanism
+    grammar (``HEAD:ARGS``), parsed by its classmethod ``from_name(args, n)``."""
+
+    def register(cls):
+        for table, keys in ((FAMILY_KINDS, (cls.kind,)), (FAMILY_NAMES, names)):
+            for key in keys:
+                if table.get(key, cls) is not cls:
+                    raise ValueError(f"{key!r} is registered to {table[key].__name__} already")
+                table[key] = cls
+        return cls
+
+    return register
+
+
+def parse_floats(param: str, text: str) -> list[float]:
+    """The comma-separated numbers of a name's ARGS; else one line naming ``param``."""
+    try:
+        return [float(v) for v in text.split(",") if v != ""]
+    except ValueError:
+        raise CorrnoiseError(param, f"cannot parse numbers from {text!r}") from None
+
+
+def parse_float(param: str, text: str) -> float:
+    """The one number of a name's ARGS; else one line naming ``param``."""
+    values = parse_floats(param, text)
+    if len(values) != 1:
+        raise CorrnoiseError(param, f"expected one number, got {text!r}")
+    return values[0]

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from ..errors import CorrnoiseError
-from .base import Strategy
+from .base import FAMILY_KINDS, Strategy, register_family
 from .dense import Banded, Dense
 from .tree import OnlineTree, Tree
-from .toeplitz import BLT, DPCGD, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
+from .toeplitz import BLT, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, Toeplitz, ToeplitzSqrt
 
 __all__ = ["KINDS", "kind_class"]
 
-#: The base kinds; column normalization is a flag of the file, not a kind of its own.
-KINDS: dict[str, type[Strategy]] = {
-    cls.kind: cls for cls in (Identity, Prefix, ToeplitzSqrt, BandedSqrt, BandedInverseSqrt, BandedInverse, Toeplitz, BLT, DPCGD, Dense, Banded, Tree, OnlineTree)
-}
+for _cls in (Identity, Prefix, ToeplitzSqrt, BandedSqrt, BandedInverseSqrt, BandedInverse, Toeplitz, BLT, Dense, Banded,
+             Tree, OnlineTree):
+    register_family()(_cls)  # kinds whose names parse_strategy spells out itself
+
+#: The base kinds (the built-in ones above and every :func:`~corrnoise.strategies.base.register_family`
+#: family, e.g. DP-CGD in its own module); column normalization is a flag of the file, not a kind.
+KINDS: dict[str, type[Strategy]] = FAMILY_KINDS
 
 
 def kind_class(kind: str) -> type[Strategy]:

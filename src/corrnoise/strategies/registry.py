@@ -7,24 +7,17 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorrnoiseError, check_int
-from .base import Strategy
+from .base import FAMILY_NAMES, Strategy, parse_floats
 from .colnorm import ColumnNormalized
 from .dense import Dense
 from .tree import OnlineTree, Tree
 from .io import load_mechanism
-from .toeplitz import BLT, DPCGD, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, ToeplitzSqrt
+from .toeplitz import BLT, BandedInverse, BandedInverseSqrt, BandedSqrt, Identity, Prefix, ToeplitzSqrt
 
 NAMES_HELP = (
     "identity (or dpsgd), prefix, toeplitz-sqrt, bsr:B, bisr:P, dpcgd:BETA, tree, tree:ls, tree:full, blt:A1,A2,...:L1,L2,..., "
     "matrix:PATH.npy or a mechanism file (.json), optionally with a +colnorm suffix"
 )
-
-
-def _floats(param: str, text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v != ""]
-    except ValueError:
-        raise CorrnoiseError(param, f"cannot parse numbers from {text!r}") from None
 
 
 def parse_strategy(name: str, n: int) -> Strategy:
@@ -58,15 +51,15 @@ def parse_strategy(name: str, n: int) -> Strategy:
         except ValueError:
             raise CorrnoiseError("bands", f"bisr:P needs an integer P, got {rest!r}") from None
         return BandedInverseSqrt(n, bands)
-    if head == "dpcgd" and rest:
-        return DPCGD(_float("beta", rest), n)
+    if head in FAMILY_NAMES and rest:  # families registered in their own module (register_family)
+        return FAMILY_NAMES[head].from_name(rest, n)
     if head == "blt" and rest:
         a, sep, lam = rest.partition(":")
         if not sep:
             raise CorrnoiseError("mechanism", f"{name!r}: a BLT is written blt:ALPHAS:LAMBDAS (comma lists, e.g. "
                                  "blt:0.3,0.1:0.9,0.5); the planner's blt:BUFFERS candidates are designed for a run "
                                  "(corrnoise plan --out DIR writes their mechanism files; mechanism 'blt' plans one)")
-        return BLT(_floats("alpha", a), _floats("lambda", lam), n)
+        return BLT(parse_floats("alpha", a), parse_floats("lambda", lam), n)
     if head == "bandmf" and rest:
         raise CorrnoiseError("mechanism", f"{name!r} is the planner's name for a BandMF it optimizes for a run: pass "
                              "mechanism 'bandmf' (the planner's best), or the file of corrnoise plan --out DIR, or "
@@ -76,13 +69,6 @@ def parse_strategy(name: str, n: int) -> Strategy:
     if name.endswith(".json") or Path(name).is_file():
         return load_mechanism(name, n=n)
     raise CorrnoiseError("strategy", f"unknown strategy {name!r}; use one of: {NAMES_HELP}")
-
-
-def _float(param: str, text: str) -> float:
-    values = _floats(param, text)
-    if len(values) != 1:
-        raise CorrnoiseError(param, f"expected one number, got {text!r}")
-    return values[0]
 
 
 def _load_npy(path: str) -> np.ndarray:

@@ -12,7 +12,7 @@ from ..errors import CorrnoiseError, check_finite_array, check_int, check_real
 from ..linalg import blt as bltmath
 from ..linalg import toeplitz as tp
 from ..linalg.streaming import NoiseStream, ToeplitzStream
-from .base import Strategy
+from .base import Strategy, parse_float, register_family
 
 # Coefficient vectors up to this length go inline into the mechanism file's JSON.
 INLINE_MAX = 1024
@@ -410,13 +410,21 @@ class BLT(Toeplitz):
         return type(self)(self.alpha, self.lam, n)
 
 
+@register_family("dpcgd")
 class DPCGD(BLT):
     """DP-CGD (seed 003 Eq. 8-9): C^{-1} = I - beta S, so c_t = beta^t = BLT([beta], [beta]).
 
     The noise at step t is z_t - beta z_{t-1}: one regenerated previous row, no extra memory.
+    Registered in its own module (:func:`~corrnoise.strategies.base.register_family`): its kind
+    for mechanism files and its name ``dpcgd:BETA``.
     """
 
     kind = "dpcgd"
+
+    @classmethod
+    def from_name(cls, args: str, n: int) -> "DPCGD":
+        """``dpcgd:BETA``."""
+        return cls(parse_float("beta", args), n)
 
     def __init__(self, beta: float, n: int):
         self.beta = check_real("beta", beta, 0.0, 1.0, high_open=True)
