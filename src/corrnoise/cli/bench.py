@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import CorrnoiseError, check_int
-from ..noise.bench import _DTYPES, DEFAULT_MECHANISMS, bench_noise, bench_strategy
+from ..noise.bench import DTYPES, DEFAULT_MECHANISMS, bench_noise, bench_strategy
 
 
 @click.group("bench")
@@ -19,7 +19,7 @@ def bench_group() -> None:
 @click.option("--mechanisms", default=";".join(DEFAULT_MECHANISMS), show_default=True,
               help="Mechanism names (docs/cli.md) separated by ';', e.g. 'dpsgd;bsr:4;dpcgd:0.9'.")
 @click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1, ...).")
-@click.option("--dtype", type=click.Choice(_DTYPES), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

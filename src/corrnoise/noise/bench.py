@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..errors import CorrnoiseError, check_int
 from ..strategies import Strategy, parse_strategy
 
-__all__ = ["DEFAULT_MECHANISMS", "REFERENCE_BLT4", "bench_mechanism", "bench_noise", "bench_strategy"]
+__all__ = ["DEFAULT_MECHANISMS", "DTYPES", "REFERENCE_BLT4", "bench_mechanism", "bench_noise", "bench_strategy"]
 
 #: One grammar for mechanism names everywhere (docs/cli.md); a representative order-4 BLT (the
 #: timing does not depend on its values).
@@ -122,4 +122,5 @@ def bench_noise(dim: int, steps: int, mechanisms=DEFAULT_MECHANISMS, *, device: 
             "threads": torch.get_num_threads(), "results": results}
 
 
-_DTYPES = ("bfloat16", "float16", "float32", "float64")
+#: the dtypes ``corrnoise bench noise --dtype`` offers
+DTYPES = ("bfloat16", "float16", "float32", "float64")
