@@ -583,3 +583,143 @@ def test_fallback_re_runs_leave_the_layers_buffers_alone():
     eng.clipped_sum(4)
     eng.detach()
     assert float(model[0].calls) == calls + 1  # the forward only
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedding indices shared by the batch ((1, L) or (L,): transformers' position ids)
+# ----------------------------------------------------------------------------------------------
+#: float64 against a one-example-at-a-time autograd loop: every entry is a sum of at most B * L = 35
+#: products of O(1) numbers, each rounded at 1.1e-16 relative, so the two orders of summation agree
+#: to ~1e-14 of the largest entry; 1e-10 leaves room without letting a wrong term (O(1)) through.
+SHARED_RTOL = 1e-10
+#: positions with repeats (cross terms in the Gram matrix) and the padding index 5 (no gradient)
+_POS_IDS = [0, 1, 2, 1, 0, 5, 4]
+
+
+class _SharedPositions(nn.Module):
+    """Token embedding + position embedding called with ids shared by the batch, shaped (1, L)
+    (``shared="1L"``) or (L,) (``"L"``); ``positions_first``: the position embedding runs before
+    any layer has seen the batch (its batch size then comes from the model's argument)."""
+
+    def __init__(self, shared: str, positions_first: bool = False):
+        super().__init__()
+        self.tok = nn.Embedding(11, 4)
+        self.pos = nn.Embedding(6, 4, padding_idx=5)
+        self.head = nn.Linear(4, 3)
+        self.shared, self.positions_first = shared, positions_first
+
+    def forward(self, x):
+        ids = torch.tensor(_POS_IDS[:x.shape[1]])
+        ids = ids.unsqueeze(0) if self.shared == "1L" else ids
+        if self.positions_first:
+            pos = self.pos(ids)
+            tok = self.tok(x)
+        else:
+            tok = self.tok(x)
+            pos = self.pos(ids)
+        return self.head(torch.tanh(tok + pos)).sum(1)
+
+
+def _loop_clipped(model, x, y, clip):
+    """(clipped sum, per-example norms) by autograd, one example at a time (batch of 1: nothing shared)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    norms = []
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum"), params,
+                                    allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        norms.append(float(torch.sqrt(sum((g * g).sum() for g in grads))))
+        for t, g in zip(total, grads):
+            t += g * min(1.0, clip / norms[-1])
+    return total, torch.tensor(norms)
+
+
+def _check_shared(model, x, y, reduction):
+    _, ref_norms = _loop_clipped(model, x, y, 1.0)
+    clip = float(ref_norms.median()) if x.shape[0] > 1 else 0.5 * float(ref_norms[0])
+    ref, _ = _loop_clipped(model, x, y, clip)
+    if x.shape[0] > 1:  # the clip acts on some examples and not on others
+        assert bool((ref_norms > clip * 1.01).any()) and bool((ref_norms < clip * 0.99).any())
+    with torch.no_grad():
+        plain_out = model(x)
+    eng = ClippingEngine(model, loss_reduction=reduction, max_grad_norm=clip)
+    out = model(x)
+    assert torch.equal(out, plain_out)  # the expanded call gives the model the same values
+    F.cross_entropy(out, y, reduction=reduction).backward()
+    sums, norms = eng.clipped_sum(x.shape[0])
+    eng.detach()
+    _close(norms, ref_norms, SHARED_RTOL)
+    for s, r in zip(sums, ref):
+        _close(s, r, SHARED_RTOL)
+    return sums
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("shared", ["1L", "L"])
+@pytest.mark.parametrize("positions_first", [False, True])
+def test_embedding_with_indices_shared_by_the_batch_is_exact(rule, reduction, shared, positions_first):
+    x, y = torch.randint(0, 11, (5, 7)), torch.randint(0, 3, (5,))
+    sums = _check_shared(_SharedPositions(shared, positions_first), x, y, reduction)
+    assert float(sums[1][5].abs().max()) == 0.0  # the padding row of the position table
+    assert float(sums[1][0].abs().max()) > 0.0
+
+
+@pytest.mark.parametrize("shared", ["1L", "L"])
+def test_shared_indices_with_a_batch_of_one(shared):
+    _check_shared(_SharedPositions(shared), torch.randint(0, 11, (1, 7)), torch.randint(0, 3, (1,)), "mean")
+
+
+class _OnlyPositions(nn.Module):
+    """The only hooked layer sees the shared ids: the batch size is dim 0 of the model's argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(6, 3)
+
+    def forward(self, x):
+        return (x * self.pos(torch.tensor([[0, 1, 2, 1]]))).sum(1)
+
+
+def test_shared_indices_seen_by_the_only_hooked_layer_take_the_batch_of_the_models_argument():
+    _check_shared(_OnlyPositions(), torch.randn(5, 4, 3), torch.randint(0, 3, (5,)), "sum")
+
+
+def test_a_bare_embedding_given_one_row_of_indices_sees_a_batch_of_one():
+    emb = nn.Embedding(6, 3)
+    eng = ClippingEngine(emb, loss_reduction="sum", max_grad_norm=1.0)
+    emb(torch.tensor([[0, 1, 2, 1]])).pow(2).sum().backward()
+    _, norms = eng.clipped_sum(1)
+    assert norms.shape == (1,)
+
+
+class _Positions(nn.Module):
+    def __init__(self, ids):
+        super().__init__()
+        self.ids = ids
+        self.tok = nn.Embedding(11, 4)
+        self.pos = nn.Embedding(9, 4)
+
+    def forward(self, x):
+        return (self.tok(x) + self.pos(self.ids)).sum((1, 2))
+
+
+def test_indices_not_shared_by_the_batch_are_refused():
+    # 1-D and as long as the batch: one index per example or positions? refused, naming the layer
+    model = _Positions(torch.arange(4))
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    model(torch.randint(0, 11, (4, 4))).sum().backward()
+    with pytest.raises(CorrnoiseError, match=r"^module: 'pos': Embedding indices of shape \(4,\) are as long as the "
+                                             r"batch: pass indices shared by the batch as \(1, L\)") as e:
+        eng.clipped_sum(4)
+    assert "\n" not in str(e.value)
+    eng.detach()
+    # (2, L) against a batch of 4: neither shared nor batch-first
+    model = _Positions(torch.arange(6).reshape(2, 3))
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    out = model.tok(torch.randint(0, 11, (4, 2, 3))) + model.pos(model.ids)
+    out.sum().backward()
+    with pytest.raises(CorrnoiseError, match=r"^module: 'pos' has batch dimension 2, others 4 \(inputs must be "
+                                             r"batch-first\)$"):
+        eng.clipped_sum(4)
+    eng.detach()

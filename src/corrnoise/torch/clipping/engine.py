@@ -38,6 +38,20 @@ owner's forward (e.g. ``F.linear(x, emb.weight)`` in a parent module) or a non-d
 fallback layer. Layers that mix examples (BatchNorm, SyncBatchNorm, Embedding with
 ``scale_grad_by_freq``, MultiheadAttention with ``batch_first=False``) are refused at attach.
 
+Indices shared by the batch. transformers calls its position embeddings (GPT-2's ``wpe``,
+BERT's ``position_embeddings``) with ids of shape (1, L), added to every example. An Embedding
+called with indices (1, *S) (or (L,), L != B) while the batch has B examples is called instead
+with the indices expanded to (B, *S) (:func:`.layers.expand_shared_indices`, which states the
+rule): same output values, expanded to the batch, and the per-example grad outputs that the
+broadcast's backward would otherwise have summed over the batch. B is the batch dimension of the
+first hooked layer called in this batch, or, before any, dim 0 of the first tensor argument of
+the engine's module (``input_ids`` for ``model(**batch)``); a wrong guess (a model whose only
+hooked layer sees the shared indices and whose first argument is not batch-first) ends in the
+batch-dimension or ``batch_size`` refusal below, never in a silent mix. The expanded output
+must be used by broadcasting against the batch (``x + pos``), as transformers does; code that
+reduces or indexes its batch dimension (``pos[0]``) would attribute gradients to the wrong
+examples.
+
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
 transposed input of equal size is not detectable). A forward pass during backward (gradient
 checkpointing) or a second batch before ``clear()`` is refused. Fallback layers must be
@@ -56,7 +70,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, check_int, check_real
 from .formulas import OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, use_ghost
-from .layers import call_batch_size, fallback_handler, handler_for
+from .layers import call_batch_size, embedding_handler, expand_shared_indices, fallback_handler, handler_for
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -153,8 +167,12 @@ class ClippingEngine:
         self._autograd: dict[int, torch.Tensor] = {}
         self._backward_seen = False
         self._computing = False
-        self._handles = []
-        for m in self._owners:
+        self._first_batch: int | None = None  # batch dimension of the first hooked call of this batch
+        self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
+        self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
+        for m, (handler, _) in self._owners.items():
+            if handler is embedding_handler:
+                self._handles.append(m.register_forward_pre_hook(self._shared_indices_hook, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True))
         for i, p in enumerate(self.parameters):
             self._handles.append(p.register_hook(lambda g, i=i: self._param_hook(i, g)))
@@ -166,6 +184,25 @@ class ClippingEngine:
             prev = self._autograd.get(i)
             self._autograd[i] = g.detach().clone() if prev is None else prev + g.detach()
         return None
+
+    def _root_pre_hook(self, m: nn.Module, args, kwargs):
+        if self._root_batch is None and not self._computing and torch.is_grad_enabled():
+            self._root_batch = _first_dim(args, kwargs)
+        return None
+
+    def _shared_indices_hook(self, m: nn.Module, args, kwargs):
+        """An Embedding's indices shared by the batch, replaced by their expansion to it (see the
+        module docstring)."""
+        if self._computing or not torch.is_grad_enabled():
+            return None
+        b = self._first_batch if self._first_batch is not None else self._root_batch
+        if b is None:
+            return None
+        if args:
+            idx = expand_shared_indices(args[0], b)
+            return None if idx is None else ((idx, *args[1:]), kwargs)
+        idx = expand_shared_indices(kwargs.get("input"), b)
+        return None if idx is None else (args, {**kwargs, "input": idx})
 
     def _forward_hook(self, m: nn.Module, args, kwargs, output):
         if self._computing or not torch.is_grad_enabled():
@@ -193,6 +230,8 @@ class ClippingEngine:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         call = _Call(_detach_tree(tuple(args)), _detach_tree(dict(kwargs)), [(t, t._version) for t in leaves], len(outs))
         self._calls[m].append(call)
+        if self._first_batch is None:
+            self._first_batch = _first_dim(args, kwargs)
         for k, o in enumerate(outs):
             if o.requires_grad:
                 o.register_hook(lambda g, call=call, k=k: self._grad_hook(call, k, g))
@@ -212,6 +251,7 @@ class ClippingEngine:
         self._reached.clear()
         self._autograd.clear()
         self._backward_seen = False
+        self._first_batch = self._root_batch = None
 
     def detach(self) -> None:
         """Remove every hook and captured tensor; the engine cannot be used afterwards."""
@@ -346,6 +386,14 @@ class ClippingEngine:
                     "module", f"parameter(s) {', '.join(check_fail)}: captured per-example gradients do not add up to "
                     "autograd's gradient (a parameter used outside its module's forward, or a non-deterministic layer)")
         return sums, norms
+
+
+def _first_dim(args, kwargs) -> int | None:
+    """dim 0 of the first tensor with a dimension among a call's arguments (None if there is none)."""
+    for v in tree_flatten((args, kwargs))[0]:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return None
 
 
 def _zero_rows(x, finite: torch.Tensor):

@@ -34,7 +34,7 @@ from ...errors import CorrnoiseError
 from .formulas import OneHot
 
 __all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv",
-           "call_batch_size"]
+           "call_batch_size", "embedding_handler", "expand_shared_indices"]
 
 Handler = Callable[..., dict]
 LAYER_HANDLERS: dict[type, Handler] = {}
@@ -159,15 +159,50 @@ def conv_handler(module, args, kwargs, grad_outs, dtype):
 
 
 def embedding_handler(module, args, kwargs, grad_outs, dtype):
-    """nn.Embedding: the table (V, d) gets sum_t onehot(x_t) g_t^T (row padding_idx: nothing)."""
+    """nn.Embedding: the table (V, d) gets sum_t onehot(x_t) g_t^T (row padding_idx: nothing).
+
+    Indices shared by the batch ((1, L) or (L,)) arrive here already expanded to the batch by the
+    engine (:func:`expand_shared_indices`)."""
     x, g = _input(args, kwargs, module), grad_outs[0]
-    _batched(x, module)
+    if x.dim() < 2:
+        raise CorrnoiseError("module", f"Embedding indices of shape {tuple(x.shape)} are as long as the batch: "
+                             "pass indices shared by the batch as (1, L) and one index per example as (B, 1)")
     b = x.shape[0]
     idx = x.reshape(b, 1, -1).long()
     gg = g.reshape(b, 1, idx.shape[2], -1).to(dtype)
     if module.padding_idx is not None:
         gg = gg * (idx != module.padding_idx).unsqueeze(-1).to(dtype)
     return {"weight": [(OneHot(idx, module.num_embeddings), gg)]}
+
+
+def expand_shared_indices(idx, batch_size: int) -> torch.Tensor | None:
+    """Embedding indices shared by the batch, expanded to it (a view), or None if they are not shared.
+
+    Shared: shape (1, *S) (what transformers passes as position ids: (1, L)) when the batch has
+    B != 1 examples, or a 1-D (L,) with L != B (a 1-D tensor as long as the batch is ambiguous
+    -- one index per example, or positions -- and is left to the rule's refusal). The layer's
+    output E[idx] is then added to every example, and example b's gradient of the table is
+
+        G_b = sum_l onehot(idx_l) dY_{b,l}^T,   dY_{b,l} = d loss_b / d (example b's copy of E[idx_l])
+
+    which is exactly the Embedding rule for the indices expanded to (B, *S): the ghost norm
+    ||G_b||^2 = sum_{l,l'} [idx_l = idx_l'] (dY_{b,l} . dY_{b,l'}) and the book-keeping sum
+    sum_b c_b G_b (the rows c_b dY_{b,l} added into row idx_l) follow from :mod:`.formulas`. The
+    dY_b exist only if the layer is *called* with the expanded indices: on the (1, *S) output,
+    autograd has already summed the grad outputs over the batch (the broadcast's backward) before
+    any hook sees them. Hence the engine calls the layer with these indices (its output is
+    E[idx] expanded to the batch, the same values; used by broadcasting, x + E[idx], as every
+    transformers model does, the model's outputs and gradients are unchanged).
+    """
+    if not isinstance(idx, torch.Tensor) or idx.dim() == 0:
+        return None
+    if idx.dim() == 1:
+        if idx.shape[0] == batch_size and batch_size != 1:
+            return None
+        return idx.expand(batch_size, idx.shape[0])
+    if idx.shape[0] == 1 and batch_size != 1:
+        return idx.expand(batch_size, *idx.shape[1:])
+    return None
 
 
 def _affine_grads(module, g, x_hat, channel_dims: tuple[int, ...]):
