@@ -175,12 +175,12 @@ def test_planner_candidate_names_are_explained_not_misparsed(name):
 
 # --- a family registered in one place (docs/design.md, "Adding a mechanism") ---------------------
 from corrnoise.strategies import Toeplitz, load_mechanism, mechanism_fingerprint, register_family, save_mechanism  # noqa: E402
-from corrnoise.strategies.base import parse_float  # noqa: E402
+from corrnoise.strategies.base import FAMILY_KINDS, FAMILY_NAMES, parse_float  # noqa: E402
 
 
-@register_family("geometric-test")
 class _Geometric(Toeplitz):
-    """A toy family, all of it in this class: c_t = alpha^t, named ``geometric-test:ALPHA``."""
+    """A toy family, all of it in this class: c_t = alpha^t, named ``geometric-test:ALPHA``
+    (registered by the test below only while it runs: other tests enumerate the known kinds)."""
 
     kind = "geometric-test"
 
@@ -210,7 +210,15 @@ class _Geometric(Toeplitz):
         return cls(parse_float("alpha", args), n)
 
 
-def test_a_registered_family_is_named_saved_fingerprinted_and_trained(tmp_path):
+@pytest.fixture
+def geometric_family():
+    register_family("geometric-test")(_Geometric)
+    yield _Geometric
+    FAMILY_KINDS.pop("geometric-test", None)
+    FAMILY_NAMES.pop("geometric-test", None)
+
+
+def test_a_registered_family_is_named_saved_fingerprinted_and_trained(tmp_path, geometric_family):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
