@@ -318,36 +318,6 @@ def test_invalid_input(call, param):
     assert "\n" not in str(info.value)
 
 
-def test_calibration_pruning_bound_is_valid():
-    """Samples dropped by the calibration's pruning never have privacy loss above eps in the bracket."""
-    C, bins, eps = _correlated(6), 3, 0.8
-    red = mc.reduce_balls_in_bins(C, bins)
-    u = red.draw(seed=3, stream=0, chunk=0, size=30_000)
-    lo, hi = 0.9, 1.3
-    keep_add, keep_rem = mc._keep_bounds(red, u, None, lo, hi, eps)
-    assert 0 < keep_add.mean() < 1 and 0 < keep_rem.mean() < 1
-    for nu in np.linspace(lo, hi, 9):
-        y_add, y_rem = mc._Losses(red, nu).both(u)
-        assert not np.any((y_add > eps) & ~keep_add)
-        assert not np.any((y_rem > eps) & ~keep_rem)
-
-
-def test_log_sum_exp_fast_path_falls_back_on_underflow():
-    """The factored log-sum-exp recomputes rows whose dominant term underflowed (extreme noise levels)."""
-    from scipy.special import logsumexp
-
-    V = np.array([[0.0, -800.0], [3.0, 1.0], [-5.0, 700.0], [0.0, 0.0]])
-    O = np.array([[-800.0, 2.0], [0.0, -1.0]])  # (k, i)
-    off = mc._Offsets(O)
-    ids = np.array([0, 1, 0, 1])
-    got = mc._lse_bins(V, off, ids)
-    want = logsumexp(V + O[:, ids].T, axis=1)
-    assert np.allclose(got, want, rtol=1e-12)
-    assert got[0] == pytest.approx(-800.0 + math.log(2.0))
-    d = np.array([-900.0, 0.0])
-    assert np.allclose(mc._lse_shift(V, d), logsumexp(V + d, axis=1), rtol=1e-12)
-
-
 # ---------------------------------------------------------------------------------------------
 # Release: only verified results (Estimate-Verify-Release, seed 000 Thm 2.1 / 2.2)
 # ---------------------------------------------------------------------------------------------
@@ -564,3 +534,33 @@ def test_a_delta_too_small_to_verify_is_refused_before_sampling(monkeypatch):
     res = plan(dataset_size=64, batch_size=8, epochs=2, epsilon=2.0, delta=1e-8, pipeline="balls-in-bins",
                only=("dpsgd",))
     assert res.recommended.batching.startswith("none") and res.recommended.result.kind == "guarantee"
+
+
+def test_calibration_pruning_bound_is_valid():
+    """Samples dropped by the calibration's pruning never have privacy loss above eps in the bracket."""
+    C, bins, eps = _correlated(6), 3, 0.8
+    red = mc.reduce_balls_in_bins(C, bins)
+    u = red.draw(seed=3, stream=0, chunk=0, size=30_000)
+    lo, hi = 0.9, 1.3
+    keep_add, keep_rem = mc._keep_bounds(red, u, None, lo, hi, eps)
+    assert 0 < keep_add.mean() < 1 and 0 < keep_rem.mean() < 1
+    for nu in np.linspace(lo, hi, 9):
+        y_add, y_rem = mc._Losses(red, nu).both(u)
+        assert not np.any((y_add > eps) & ~keep_add)
+        assert not np.any((y_rem > eps) & ~keep_rem)
+
+
+def test_log_sum_exp_fast_path_falls_back_on_underflow():
+    """The factored log-sum-exp recomputes rows whose dominant term underflowed (extreme noise levels)."""
+    from scipy.special import logsumexp
+
+    V = np.array([[0.0, -800.0], [3.0, 1.0], [-5.0, 700.0], [0.0, 0.0]])
+    O = np.array([[-800.0, 2.0], [0.0, -1.0]])  # (k, i)
+    off = mc._Offsets(O)
+    ids = np.array([0, 1, 0, 1])
+    got = mc._lse_bins(V, off, ids)
+    want = logsumexp(V + O[:, ids].T, axis=1)
+    assert np.allclose(got, want, rtol=1e-12)
+    assert got[0] == pytest.approx(-800.0 + math.log(2.0))
+    d = np.array([-900.0, 0.0])
+    assert np.allclose(mc._lse_shift(V, d), logsumexp(V + d, axis=1), rtol=1e-12)
