@@ -32,7 +32,9 @@ class DPOptimizer(torch.optim.Optimizer):
     micro-batch since the last step, + max_grad_norm * noise_std * (C^-1 Z)[t], / expected batch
     size, into ``.grad``; then the wrapped optimizer's update. Attributes: ``original`` (the
     wrapped optimizer), ``strategy``, ``batching``, ``delta``, ``steps`` (planned),
-    ``steps_taken``, ``noise_std``, ``noise_multiplier``, ``expected_batch_size``.
+    ``steps_taken``, ``noise_std``, ``noise_multiplier``, ``expected_batch_size``, and ``plan``
+    (the :class:`~corrnoise.runplan.RunPlan` make_private trained: ``optimizer.plan.to_json(path)``
+    records the run for review or to train it again).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, engine, privatizer: Privatizer, strategy: Strategy,
@@ -67,6 +69,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.context = context or StepContext()
         self.store_noise_seed = bool(store_noise_seed)
         self.calibration = calibration
+        self.plan = None  # make_private sets it
         self.steps_taken = 0
         self.last_stats: dict[str, Any] = {}
         if nan_policy not in NAN_POLICIES:
