@@ -83,7 +83,8 @@ def _audit_split(sel_in, sel_out, ev_in, ev_out, *, delta, confidence, method, a
     fnr_hi = clopper_pearson_upper(fn, ev_in.size, alpha / 2)
     eps_lo = epsilon_from_rates(fpr_hi, fnr_hi, delta)
     auc = roc_auc(all_in, all_out)
-    estimate = gdp_estimate(all_in, all_out, delta=delta, runs=runs)
+    # eps(0) of mu-GDP is infinite: no GDP estimate at delta = 0
+    estimate = gdp_estimate(all_in, all_out, delta=delta, runs=runs).to_dict() if delta > 0 else None
     return AuditResult(
         kind="lower_bound", method=method, delta=delta, confidence=confidence, canaries=1, runs=runs, auc=auc,
         epsilon_lower=eps_lo,
@@ -92,7 +93,7 @@ def _audit_split(sel_in, sel_out, ev_in, ev_out, *, delta, confidence, method, a
                 "false_negatives": fn, "fpr_upper": fpr_hi, "fnr_upper": fnr_hi,
                 "auc_interval": list(auc_interval(auc, all_in.size, all_out.size, confidence)),
                 "tpr_at_fpr": {str(f): tpr_at_fpr(all_in, all_out, f, confidence) for f in (1e-2, 1e-3)},
-                "gdp_estimate": estimate.to_dict(), **extras})
+                "gdp_estimate": estimate, **extras})
 
 
 def many_run_audit(scores_in, scores_out, *, delta: float, confidence: float = 0.95, select_fraction: float = 0.5,

@@ -30,7 +30,7 @@ from .stats import auc_interval, roc_auc, tpr_at_fpr
 __all__ = ["one_run_audit", "one_run_epsilon_lower", "one_run_guesses", "one_run_p_value"]
 
 #: grid step of :func:`one_run_epsilon_lower`
-EPS_STEP = 1e-3
+EPS_STEP = 1e-2
 
 
 def _mrv(m, r, v):
