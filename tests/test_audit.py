@@ -135,3 +135,126 @@ def test_results_say_what_they_are_and_bad_input_is_one_line():
     assert e.value.param == "included"
     est = gdp_estimate([1.0, 2.0, 3.0], [0.0, 0.5, 1.0], delta=1e-5)
     assert est.kind == "estimate" and est.epsilon_lower is None
+
+
+# --- the white-box canary path of make_private ---------------------------------------------------
+torch = pytest.importorskip("torch")
+from corrnoise.accounting import column_norm  # noqa: E402
+from corrnoise.noise import make_generator  # noqa: E402
+from corrnoise.strategies.dense import Dense  # noqa: E402
+from corrnoise.torch.audit import AuditSetup, audit_many_runs, audit_one_run, canary_run  # noqa: E402
+
+
+def _no_noise(opt):
+    priv = opt.privatizer
+    original = priv.noise
+    priv.noise = lambda: [torch.zeros_like(z) for z in original()]
+
+
+@pytest.mark.parametrize("batching", ["cyclic", "balls-in-bins", "poisson"])
+def test_canaries_are_scheduled_by_the_runs_sampler_and_observed_in_the_released_update(batching):
+    """With the noise patched out, the released update along canary i is exactly 1 at the steps
+    the run's sampler put its index in a batch (and 0 for a canary left out)."""
+    setup = AuditSetup.digits(examples=31, mechanism="identity", batching=batching, noise_std=1.0, delta=1e-5,
+                              batch_size=8, epochs=2, canaries=4)
+    included = [True, False, True, True]
+    y, opt = canary_run(setup, included, noise_seed=1, sampler_seed=2, noise_std=1.0, patch=_no_noise)
+    positions = setup.canary_indices()
+    for i, index in enumerate(positions):
+        sched = np.array([index in set(opt.sampler.batch(t)) for t in range(setup.steps)], dtype=float)
+        np.testing.assert_allclose(y[i], sched if included[i] else 0 * sched, atol=1e-5)
+    if batching == "cyclic":  # the public schedule the observer uses is the sampler's
+        assert np.array_equal(setup.public_schedule(positions[0]),
+                              [positions[0] in set(opt.sampler.batch(t)) for t in range(setup.steps)])
+
+
+def _setup(mechanism, **kw):
+    args = dict(examples=63, mechanism=mechanism, batching="cyclic", epsilon=1.0, delta=0.2, batch_size=16, epochs=2)
+    return AuditSetup.digits(**{**args, **kw})
+
+
+def _halve(opt):
+    opt.privatizer.adopt_noise_std(opt.noise_std / 2)
+
+
+def _multiplier_as_std(opt):
+    opt.privatizer.adopt_noise_std(opt.noise_std / column_norm(opt.strategy))
+
+
+def _reuse_row_0(opt):
+    priv = opt.privatizer
+    original, kept = priv.noise, {}
+
+    def noise():
+        t, rows = priv.step, original()
+        if t == 0:
+            kept[0] = [r.clone() for r in rows]
+        return [r.clone() for r in kept[0]] if t == 1 else rows
+
+    priv.noise = noise
+
+
+def _shifted(n, shift, a):
+    c = np.eye(n)
+    c[np.arange(shift, n), np.arange(n - shift)] = a
+    return c
+
+
+def _other_mechanism_same_label(opt):
+    """Noise of another C with the label of the calibrated one (the earlier breach): sens grows
+    from sqrt(2) to sqrt(10) for a canary seen at steps b and b + 4."""
+    other = Dense(_shifted(opt.steps, 4, 2.0))
+    assert other.label == opt.strategy.label
+    opt.privatizer.generator = make_generator(other, [p.shape for p in opt.params], noise_std=opt.noise_std,
+                                              seed=int(np.random.default_rng(opt.noise_seed % 2**32).integers(2**62)))
+
+
+BROKEN = {
+    "noise std halved": ("bsr:4", _halve, "whitened"),
+    "noise multiplier used as noise std, column norm 2": (Dense(_shifted(8, 4, math.sqrt(3.0))), _multiplier_as_std,
+                                                          "whitened"),
+    "two steps reuse one noise row": ("identity", _reuse_row_0, "lda"),
+    "guarantee of another mechanism with the same label": (Dense(np.eye(8)), _other_mechanism_same_label, "lda"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_each_broken_noise_path_is_flagged(name):
+    """600 runs (30% choose the threshold/score, 70% evaluate), compared at delta 0.2 where so few
+    runs resolve the trade-off curve: the 95% lower bound exceeds the claimed epsilon."""
+    mechanism, patch, score = BROKEN[name]
+    setup = _setup(mechanism)
+    if isinstance(mechanism, Dense) and patch is _multiplier_as_std:
+        assert column_norm(setup.strategy) >= 2.0 - 1e-12
+    res = audit_many_runs(setup, 600, score=score, patch=patch, select_fraction=0.3)
+    assert res.kind == "lower_bound"
+    assert res.epsilon_lower > res.extras["epsilon_guarantee"], res.to_dict()
+
+
+SOUND = [("identity", "cyclic"), ("bsr:4", "cyclic"), ("blt:0.4,0.2:0.9,0.5", "cyclic"), ("dpcgd:0.9", "cyclic"),
+         ("identity", "poisson")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("epsilon", [2.0, 8.0])
+@pytest.mark.parametrize("mechanism,batching", SOUND)
+def test_correct_runs_are_not_flagged(mechanism, batching, epsilon):
+    """Soundness on the real path, small: one 200-run audit per case (whitened and lda scores),
+    the bound never above the guarantee; the broken runs above use the same setup."""
+    setup = AuditSetup.digits(examples=63, mechanism=mechanism, batching=batching, epsilon=epsilon, delta=1e-5,
+                              batch_size=16, epochs=2)
+    for score in ("whitened", "lda"):
+        res = audit_many_runs(setup, 200, score=score, seed=int(epsilon))
+        assert res.epsilon_lower <= res.extras["epsilon_guarantee"]
+
+
+@pytest.mark.slow
+def test_correct_runs_at_the_sensitivity_setup_are_not_flagged_and_one_run_audit_works():
+    for mechanism in ("bsr:4", "identity"):
+        res = audit_many_runs(_setup(mechanism), 600, score="lda", select_fraction=0.3)
+        assert res.epsilon_lower <= res.extras["epsilon_guarantee"]
+    setup = AuditSetup.digits(examples=63, mechanism="identity", batching="cyclic", epsilon=8.0, delta=1e-5,
+                              batch_size=16, epochs=2, canaries=300)
+    one = audit_one_run(setup)
+    assert 0 < one.epsilon_lower <= one.extras["epsilon_guarantee"] and one.canaries == 300
