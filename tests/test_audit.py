@@ -258,3 +258,21 @@ def test_correct_runs_at_the_sensitivity_setup_are_not_flagged_and_one_run_audit
                               batch_size=16, epochs=2, canaries=300)
     one = audit_one_run(setup)
     assert 0 < one.epsilon_lower <= one.extras["epsilon_guarantee"] and one.canaries == 300
+
+
+def test_cli_audit_prints_the_contract_fields(capsys):
+    from corrnoise.cli import main
+
+    code = main(["audit", "--mechanism", "bsr:4", "--epsilon", "8", "--runs", "20", "--white-box", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    d = json.loads(out)
+    for key in ("epsilon_lower", "epsilon_guarantee", "confidence", "method", "canaries", "runs", "auc"):
+        assert key in d
+    assert d["kind"] == "lower_bound" and d["runs"] == 20 and d["epsilon_lower"] <= d["epsilon_guarantee"]
+    assert d["gdp_estimate"]["kind"] == "estimate"
+    for argv, param in ((["audit", "--epsilon", "2"], "white-box"),
+                        (["audit", "--epsilon", "2", "--white-box", "--canaries", "5", "--runs", "3"], "runs")):
+        assert main(argv) == 2
+        _, err = capsys.readouterr()
+        assert err.startswith(f"error: {param}:") and err.count("\n") == 1

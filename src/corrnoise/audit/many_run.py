@@ -93,7 +93,7 @@ def _audit_split(sel_in, sel_out, ev_in, ev_out, *, delta, confidence, method, a
                 "false_negatives": fn, "fpr_upper": fpr_hi, "fnr_upper": fnr_hi,
                 "auc_interval": list(auc_interval(auc, all_in.size, all_out.size, confidence)),
                 "tpr_at_fpr": {str(f): tpr_at_fpr(all_in, all_out, f, confidence) for f in (1e-2, 1e-3)},
-                "gdp_estimate": estimate, **extras})
+                "gdp_estimate": estimate, **extras}, scores=(all_in, all_out))
 
 
 def many_run_audit(scores_in, scores_out, *, delta: float, confidence: float = 0.95, select_fraction: float = 0.5,

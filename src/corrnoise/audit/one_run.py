@@ -140,4 +140,4 @@ def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95, k
         extras["auc_interval"] = list(auc_interval(auc, s_in.size, s_out.size, confidence))
         extras["tpr_at_fpr"] = {str(f): tpr_at_fpr(s_in, s_out, f, confidence) for f in (1e-2, 1e-3)}
     return AuditResult(kind="lower_bound", method=method, delta=delta, confidence=confidence, canaries=m,
-                       runs=int(runs), auc=auc, epsilon_lower=best, extras=extras)
+                       runs=int(runs), auc=auc, epsilon_lower=best, extras=extras, scores=(s_in, s_out))

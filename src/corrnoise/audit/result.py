@@ -53,6 +53,8 @@ class AuditResult:
     epsilon_lower: float | None = None
     epsilon_estimate: float | None = None
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: (scores of canaries / runs in, scores out) for plots; not serialized
+    scores: tuple[Any, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in AUDIT_KINDS:
@@ -70,7 +72,7 @@ class AuditResult:
 
     def with_extras(self, **extras: Any) -> "AuditResult":
         return AuditResult(self.kind, self.method, self.delta, self.confidence, self.canaries, self.runs, self.auc,
-                           self.epsilon_lower, self.epsilon_estimate, {**self.extras, **extras})
+                           self.epsilon_lower, self.epsilon_estimate, {**self.extras, **extras}, self.scores)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind}
