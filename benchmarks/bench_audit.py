@@ -1,7 +1,7 @@
 """White-box many-run audit of small make_private runs (issue #28): lower bound / guarantee per
 mechanism and batching at epsilon 2, delta 1e-5, with the GDP estimate beside it and the time.
 
-    PYTHONPATH=src python benchmarks/bench_audit.py [--runs 4000] [--cases identity:cyclic,bsr:4:cyclic,...]
+    PYTHONPATH=src python benchmarks/bench_audit.py [--runs 4000] [--cases "identity:cyclic;bsr:4:cyclic;..."]
 
 Setup: 63 digits examples + 1 canary, batch 16, 2 epochs (8 steps), bias-free linear model,
 canary = a dead weight coordinate; score = whitened (uses C), threshold chosen on 30% of the
@@ -27,9 +27,9 @@ def main() -> None:
     ap.add_argument("--epsilon", type=float, default=2.0)
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--score", default="whitened")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=";".join(CASES))
     args = ap.parse_args()
-    cases = args.cases.split(",")
+    cases = args.cases.split(";")
     for case in cases:
         mechanism, batching = case.rsplit(":", 1)
         t0 = time.perf_counter()
