@@ -21,6 +21,7 @@ from .report import emit as _emit
 # pay for torch or dp_accounting at start-up: name -> "module:attribute".
 LAZY_COMMANDS = {
     "account": "corrnoise.cli.account:account_command",
+    "audit": "corrnoise.cli.audit:audit_command",
     "bench": "corrnoise.cli.bench:bench_group",
     "optimize": "corrnoise.cli.optimize:optimize_command",
     "plan": "corrnoise.cli.plan:plan_command",

@@ -1,0 +1,278 @@
+"""Issue #28: empirical privacy auditing. Statistics against independent computations
+(scipy.stats.beta / binom, brute force, simulation with known epsilon), the white-box canary path
+of make_private, sensitivity to four broken noise paths, soundness on correct runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import beta, binom
+
+from corrnoise.accounting import gaussian_epsilon, gaussian_mu
+from corrnoise.audit import (AuditResult, clopper_pearson, clopper_pearson_upper, epsilon_from_rates, gdp_estimate,
+                             many_run_audit, many_run_audit_features, one_run_audit, one_run_epsilon_lower,
+                             one_run_p_value, roc_auc, tpr_at_fpr)
+from corrnoise.errors import CorrnoiseError
+
+
+# --- statistics -------------------------------------------------------------------------------
+@pytest.mark.parametrize("k,n", [(0, 10), (3, 10), (10, 10), (7, 1000), (500, 1000)])
+def test_clopper_pearson_matches_beta_quantiles_and_binomial_tails(k, n):
+    lo, hi = clopper_pearson(k, n, 0.95)
+    assert lo == (0.0 if k == 0 else pytest.approx(beta.ppf(0.025, k, n - k + 1), rel=1e-9))
+    assert hi == (1.0 if k == n else pytest.approx(beta.ppf(0.975, k + 1, n - k), rel=1e-9))
+    up = clopper_pearson_upper(k, n, 0.05)
+    if k < n:  # defining property: P[Bin(n, p_hi) <= k] = alpha
+        assert binom.cdf(k, n, up) == pytest.approx(0.05, rel=1e-6)
+    if k > 0:
+        assert binom.sf(k - 1, n, lo) == pytest.approx(0.025, rel=1e-6)
+
+
+def test_epsilon_from_rates_inverts_randomized_response():
+    for eps in (0.5, 1.0, 3.0):
+        q = 1 / (1 + math.exp(eps))  # RR: FPR = FNR = 1/(1+e^eps), exactly eps-DP
+        assert epsilon_from_rates(q, q, 0.0) == pytest.approx(eps, rel=1e-12)
+        assert epsilon_from_rates(q, q, 0.01) < eps
+    assert epsilon_from_rates(0.5, 0.5, 0.0) == 0.0 and epsilon_from_rates(0.0, 0.0, 0.0) == math.inf
+
+
+def test_auc_and_tpr_at_fpr_against_brute_force():
+    rng = np.random.default_rng(1)
+    a, b = np.round(rng.normal(1, 1, 300), 1), np.round(rng.normal(0, 1, 400), 1)  # with ties
+    brute = (np.sum(a[:, None] > b[None, :]) + 0.5 * np.sum(a[:, None] == b[None, :])) / (a.size * b.size)
+    assert roc_auc(a, b) == pytest.approx(brute, rel=1e-12)
+    row = tpr_at_fpr(a, b, 0.01)
+    assert row["fpr"] <= 0.01 and row["tpr"] == np.mean(a > row["threshold"]) and row["resolved"]
+    assert not tpr_at_fpr(a, b, 1e-3)["resolved"]
+
+
+def _rr_scores(rng, eps, n):
+    p_in = 1 / (1 + math.exp(-eps))
+    return (rng.random(n) < p_in).astype(float), (rng.random(n) < 1 - p_in).astype(float)
+
+
+def test_many_run_bound_covers_randomized_response_where_the_point_estimate_does_not():
+    """Randomized response is exactly eps-DP and the threshold test is optimal, so a bound without
+    intervals exceeds eps about half the time; the Clopper-Pearson bound at 95% must not exceed
+    it in more than 5% of 200 trials (binomial slack: <= 18 of 200)."""
+    rng, eps, n, trials = np.random.default_rng(7), 1.0, 20000, 200
+    over = naive_over = 0
+    for trial in range(trials):
+        s_in, s_out = _rr_scores(rng, eps, n)
+        res = many_run_audit(s_in, s_out, delta=0.0, seed=trial)
+        over += res.epsilon_lower > eps
+        naive_over += epsilon_from_rates(np.mean(s_out > 0), np.mean(s_in <= 0), 0.0) > eps
+        assert res.epsilon_lower > 0.9 * eps  # and it is sharp here
+    assert over <= 18 and naive_over >= 60
+
+
+def test_many_run_gaussian_bound_below_truth_and_estimate_labelled():
+    rng, mu = np.random.default_rng(3), 1.5
+    res = many_run_audit(rng.normal(mu, 1, 3000), rng.normal(0, 1, 3000), delta=1e-5)
+    true = gaussian_epsilon(1e-5, mu)
+    assert 0 < res.epsilon_lower < true
+    est = res.extras["gdp_estimate"]
+    assert est["kind"] == "estimate" and "epsilon_lower" not in est
+    assert est["epsilon_estimate"] == pytest.approx(true, rel=0.15)
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["kind"] == "lower_bound" and {"epsilon_lower", "confidence", "method", "canaries", "runs", "auc"} <= set(d)
+
+
+def test_lda_finds_a_noise_free_difference():
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(400, 4))
+    feats = np.c_[z[:, 0], z[:, 0], z[:, 1:]]  # two identical noise coordinates (a reused noise row)
+    f_in, f_out = feats[:200] + np.array([1, 0, 0, 0, 0]), feats[200:]
+    assert many_run_audit_features(f_in, f_out, delta=1e-5).epsilon_lower > 3.0
+
+
+def test_one_run_p_value_matches_its_theorem_by_brute_force():
+    m, r, v, eps, delta = 200, 60, 45, 0.7, 1e-4
+    q = math.exp(eps) / (1 + math.exp(eps))
+    f = lambda x: binom.sf(x - 1, r, q)  # noqa: E731  P[Bin(r, q) >= x]
+    want = f(v) + 2 * m * delta * max((f(v - i) - f(v)) / i for i in range(1, m + 1))
+    assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(min(1.0, want), rel=1e-9)
+    assert one_run_p_value(m, r, v, eps, 0.0) == pytest.approx(f(v), rel=1e-12)
+
+
+def test_one_run_bound_covers_randomized_response():
+    """All-guess randomized response canaries: W ~ Bin(m, e^eps/(1+e^eps)) exactly (the theorem is
+    tight): the 95% bound exceeds eps in <= 5% of 300 trials (slack: <= 25) and in some (sharp)."""
+    rng, eps, m = np.random.default_rng(11), 2.0, 500
+    q = math.exp(eps) / (1 + math.exp(eps))
+    over = sum(one_run_epsilon_lower(m, m, int(v), 0.0) > eps for v in rng.binomial(m, q, 300))
+    assert 1 <= over <= 25
+
+
+def test_one_run_gaussian_simulation_sound_and_positive():
+    """Scores N(mu, 1) for included canaries, N(0, 1) otherwise (a Gaussian mechanism, mu-GDP per
+    canary): over 20 trials the 95% bound stays below the true eps(delta) (>= 95% of trials, here
+    all) and is positive for mu = 4."""
+    rng, delta, m = np.random.default_rng(5), 1e-5, 1000
+    for mu in (1.0, 4.0):
+        true = gaussian_epsilon(delta, mu)
+        lows = []
+        for _ in range(20):
+            inc = rng.random(m) < 0.5
+            lows.append(one_run_audit(rng.normal(size=m) + mu * inc, inc, delta=delta).epsilon_lower)
+        assert sum(x > true for x in lows) <= 1
+        if mu == 4.0:
+            assert min(lows) > 1.0
+
+
+def test_results_say_what_they_are_and_bad_input_is_one_line():
+    with pytest.raises(CorrnoiseError):
+        AuditResult(kind="lower_bound", method="x", delta=1e-5, confidence=0.95, canaries=1, runs=2, auc=None,
+                    epsilon_estimate=1.0)
+    with pytest.raises(CorrnoiseError) as e:
+        many_run_audit([1.0], [0.0, 1.0], delta=1e-5)
+    assert e.value.param == "runs" and "\n" not in str(e.value)
+    with pytest.raises(CorrnoiseError) as e:
+        one_run_audit([1.0, 2.0], [True], delta=1e-5)
+    assert e.value.param == "included"
+    est = gdp_estimate([1.0, 2.0, 3.0], [0.0, 0.5, 1.0], delta=1e-5)
+    assert est.kind == "estimate" and est.epsilon_lower is None
+
+
+# --- the white-box canary path of make_private ---------------------------------------------------
+torch = pytest.importorskip("torch")
+from corrnoise.accounting import column_norm  # noqa: E402
+from corrnoise.noise import make_generator  # noqa: E402
+from corrnoise.strategies.dense import Dense  # noqa: E402
+from corrnoise.torch.audit import AuditSetup, audit_many_runs, audit_one_run, canary_run  # noqa: E402
+
+
+def _no_noise(opt):
+    priv = opt.privatizer
+    original = priv.noise
+    priv.noise = lambda: [torch.zeros_like(z) for z in original()]
+
+
+@pytest.mark.parametrize("batching", ["cyclic", "balls-in-bins", "poisson"])
+def test_canaries_are_scheduled_by_the_runs_sampler_and_observed_in_the_released_update(batching):
+    """With the noise patched out, the released update along canary i is exactly 1 at the steps
+    the run's sampler put its index in a batch (and 0 for a canary left out)."""
+    setup = AuditSetup.digits(examples=31, mechanism="identity", batching=batching, noise_std=1.0, delta=1e-5,
+                              batch_size=8, epochs=2, canaries=4)
+    included = [True, False, True, True]
+    y, opt = canary_run(setup, included, noise_seed=1, sampler_seed=2, noise_std=1.0, patch=_no_noise)
+    positions = setup.canary_indices()
+    for i, index in enumerate(positions):
+        sched = np.array([index in set(opt.sampler.batch(t)) for t in range(setup.steps)], dtype=float)
+        np.testing.assert_allclose(y[i], sched if included[i] else 0 * sched, atol=1e-5)
+    if batching == "cyclic":  # the public schedule the observer uses is the sampler's
+        assert np.array_equal(setup.public_schedule(positions[0]),
+                              [positions[0] in set(opt.sampler.batch(t)) for t in range(setup.steps)])
+
+
+def _setup(mechanism, **kw):
+    args = dict(examples=63, mechanism=mechanism, batching="cyclic", epsilon=1.0, delta=0.2, batch_size=16, epochs=2)
+    return AuditSetup.digits(**{**args, **kw})
+
+
+def _halve(opt):
+    opt.privatizer.adopt_noise_std(opt.noise_std / 2)
+
+
+def _multiplier_as_std(opt):
+    opt.privatizer.adopt_noise_std(opt.noise_std / column_norm(opt.strategy))
+
+
+def _reuse_row_0(opt):
+    priv = opt.privatizer
+    original, kept = priv.noise, {}
+
+    def noise():
+        t, rows = priv.step, original()
+        if t == 0:
+            kept[0] = [r.clone() for r in rows]
+        return [r.clone() for r in kept[0]] if t == 1 else rows
+
+    priv.noise = noise
+
+
+def _shifted(n, shift, a):
+    c = np.eye(n)
+    c[np.arange(shift, n), np.arange(n - shift)] = a
+    return c
+
+
+def _other_mechanism_same_label(opt):
+    """Noise of another C with the label of the calibrated one (the earlier breach): sens grows
+    from sqrt(2) to sqrt(10) for a canary seen at steps b and b + 4."""
+    other = Dense(_shifted(opt.steps, 4, 2.0))
+    assert other.label == opt.strategy.label
+    opt.privatizer.generator = make_generator(other, [p.shape for p in opt.params], noise_std=opt.noise_std,
+                                              seed=int(np.random.default_rng(opt.noise_seed % 2**32).integers(2**62)))
+
+
+BROKEN = {
+    "noise std halved": ("bsr:4", _halve, "whitened"),
+    "noise multiplier used as noise std, column norm 2": (Dense(_shifted(8, 4, math.sqrt(3.0))), _multiplier_as_std,
+                                                          "whitened"),
+    "two steps reuse one noise row": ("identity", _reuse_row_0, "lda"),
+    "guarantee of another mechanism with the same label": (Dense(np.eye(8)), _other_mechanism_same_label, "lda"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_each_broken_noise_path_is_flagged(name):
+    """600 runs (30% choose the threshold/score, 70% evaluate), compared at delta 0.2 where so few
+    runs resolve the trade-off curve: the 95% lower bound exceeds the claimed epsilon."""
+    mechanism, patch, score = BROKEN[name]
+    setup = _setup(mechanism)
+    if isinstance(mechanism, Dense) and patch is _multiplier_as_std:
+        assert column_norm(setup.strategy) >= 2.0 - 1e-12
+    res = audit_many_runs(setup, 600, score=score, patch=patch, select_fraction=0.3)
+    assert res.kind == "lower_bound"
+    assert res.epsilon_lower > res.extras["epsilon_guarantee"], res.to_dict()
+
+
+SOUND = [("identity", "cyclic"), ("bsr:4", "cyclic"), ("blt:0.4,0.2:0.9,0.5", "cyclic"), ("dpcgd:0.9", "cyclic"),
+         ("identity", "poisson")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("epsilon", [2.0, 8.0])
+@pytest.mark.parametrize("mechanism,batching", SOUND)
+def test_correct_runs_are_not_flagged(mechanism, batching, epsilon):
+    """Soundness on the real path, small: one 200-run audit per case (whitened and lda scores),
+    the bound never above the guarantee; the broken runs above use the same setup."""
+    setup = AuditSetup.digits(examples=63, mechanism=mechanism, batching=batching, epsilon=epsilon, delta=1e-5,
+                              batch_size=16, epochs=2)
+    for score in ("whitened", "lda"):
+        res = audit_many_runs(setup, 200, score=score, seed=int(epsilon))
+        assert res.epsilon_lower <= res.extras["epsilon_guarantee"]
+
+
+@pytest.mark.slow
+def test_correct_runs_at_the_sensitivity_setup_are_not_flagged_and_one_run_audit_works():
+    for mechanism in ("bsr:4", "identity"):
+        res = audit_many_runs(_setup(mechanism), 600, score="lda", select_fraction=0.3)
+        assert res.epsilon_lower <= res.extras["epsilon_guarantee"]
+    setup = AuditSetup.digits(examples=63, mechanism="identity", batching="cyclic", epsilon=8.0, delta=1e-5,
+                              batch_size=16, epochs=2, canaries=300)
+    one = audit_one_run(setup)
+    assert 0 < one.epsilon_lower <= one.extras["epsilon_guarantee"] and one.canaries == 300
+
+
+def test_cli_audit_prints_the_contract_fields(capsys):
+    from corrnoise.cli import main
+
+    code = main(["audit", "--mechanism", "bsr:4", "--epsilon", "8", "--runs", "20", "--white-box", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    d = json.loads(out)
+    for key in ("epsilon_lower", "epsilon_guarantee", "confidence", "method", "canaries", "runs", "auc"):
+        assert key in d
+    assert d["kind"] == "lower_bound" and d["runs"] == 20 and d["epsilon_lower"] <= d["epsilon_guarantee"]
+    assert d["gdp_estimate"]["kind"] == "estimate"
+    for argv, param in ((["audit", "--epsilon", "2"], "white-box"),
+                        (["audit", "--epsilon", "2", "--white-box", "--canaries", "5", "--runs", "3"], "runs")):
+        assert main(argv) == 2
+        _, err = capsys.readouterr()
+        assert err.startswith(f"error: {param}:") and err.count("\n") == 1
