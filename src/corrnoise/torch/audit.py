@@ -41,10 +41,10 @@ import torch
 
 from ..audit import AuditResult, many_run_audit, many_run_audit_features, one_run_audit
 from ..errors import CorrnoiseError, check_int, check_real
+from ..runplan import parse_mechanism
 from ..sampling import CyclicSampler
 from ..strategies import Strategy
 from .front import make_private
-from .optimizer import _parse_mechanism
 
 __all__ = ["AuditSetup", "SCORES", "audit_many_runs", "audit_one_run", "canary_run", "inject_canaries"]
 
@@ -88,7 +88,7 @@ class AuditSetup:
         self.num_examples = int(self.x.shape[0]) + self.canaries
         self.steps = check_int("epochs", self.epochs, minimum=1) * (self.num_examples // self.batch_size)
         self.strategy = self.mechanism if isinstance(self.mechanism, Strategy) else \
-            _parse_mechanism(self.mechanism, self.steps)
+            parse_mechanism(self.mechanism, self.steps)
         self._calibration = None
 
     @classmethod
