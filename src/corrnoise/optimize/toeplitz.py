@@ -170,9 +170,16 @@ def toeplitz_error_and_grad(c: np.ndarray, spec: _ErrorSpec) -> tuple[float, np.
     err = sum_t w_t beta_t^2 with beta = T_c^{-1} a, w_t = (n - t)/n (rms) or 1 (max). With the
     fixed-point tail (seed 002 App. I) beta_t = beta_* = a_* / sum_j c_j for t >= K adds
     beta_*^2 W_tail (W_tail = sum_{t >= K} w_t), whose gradient is -2 W_tail beta_*^2 / sum_j c_j.
+
+    A singular T_c (c_0 = 0, or a non-finite c) has no decoder: err = inf with a zero gradient,
+    which the optimizer treats as infeasible (its line search backtracks). L-BFGS-B reaches
+    c = 0 in the monotone parameterization: the objective is scale-invariant, and a projected
+    step onto the bounds delta >= 0 can zero every decrement (n = 80, bands = n, cyclic:10:8).
     """
     c = np.asarray(c, dtype=np.float64)
     p = c.size
+    if p == 0 or c[0] == 0.0 or not np.all(np.isfinite(c)):
+        return math.inf, np.zeros(p)
     fir = p <= _FILTER_MAX_BANDS
     beta = _inverse_apply(c, spec.a, fir)
     wb = spec.head_weights * beta
