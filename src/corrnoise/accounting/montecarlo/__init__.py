@@ -55,6 +55,7 @@ from __future__ import annotations
 
 # re-exports (public names; the private ones are for the tests)
 from . import register as _register_mc  # noqa: F401  (registers method "mc")
+from .bounds import NoiseLowerBound, noise_lower_bound
 from .calibration import Calibration, _bisect, _keep_bounds, _Kept, _unamplified_noise, calibrate_noise_std
 from .estimates import (DeltaEstimate, EpsilonEstimate, _delta_moments, _iid_se, _Moments, _stratified_ids, _tail,
                         _Tail, estimate_delta, estimate_epsilon)
@@ -94,4 +95,6 @@ __all__ = [
     "resolve_seed",
     "verification_seed",
     "release_verified",
+    "NoiseLowerBound",
+    "noise_lower_bound",
 ]

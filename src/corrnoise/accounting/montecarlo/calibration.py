@@ -13,7 +13,8 @@ from ...progress import Progress
 from .estimates import _Moments, _stratified_ids
 from .inputs import (_PILOT_SAMPLES, _STREAM_CALIBRATE, _STREAM_PILOT, DEFAULT_CALIBRATION_SAMPLES, _check_delta,
                      _check_epsilon, _check_samples, resolve_seed)
-from .sampling import ReducedPair, _hockey, _Losses, _lse_bins, _lse_shift, _map_chunks, _Offsets, reduce_balls_in_bins
+from .sampling import (ReducedPair, _hockey, _Losses, _lse_bins, _lse_shift, _map_chunks, _Offsets, reduce_balls_in_bins,
+                       screen_rows)
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,16 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
 
     def draw_kept(stream: int, m: int, lo: float, hi: float) -> _Kept:
         def fn(u):
+            # a cheap screen first (:func:`screen_rows`, one pass, no exponentials), then the
+            # termwise bounds of _keep_bounds on the rows it leaves; the screen's bound is above
+            # _keep_bounds', so the kept rows are the same as with _keep_bounds alone
             ids = _stratified_ids(u.shape[0], b)
-            ka, kr = _keep_bounds(red, u, None, lo, hi, epsilon)
-            return u[ka], ids[ka], u[kr]
+            ra, rr = screen_rows(red, u, 1.0 / hi, 1.0 / lo, epsilon)
+            if ra.size:
+                ra = ra[_keep_bounds(red, u[ra], ids[ra], lo, hi, epsilon)[0]]
+            if rr.size:
+                rr = rr[_keep_bounds(red, u[rr], ids[rr], lo, hi, epsilon)[1]]
+            return u[ra], ids[ra], u[rr]
 
         parts = _map_chunks(red, seed, stream, m, fn, workers, progress, "calibrating noise")
         return _Kept(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),

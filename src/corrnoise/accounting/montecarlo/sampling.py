@@ -45,22 +45,10 @@ class ReducedPair:
         """u = L g for ``size`` samples (rows), g ~ N(0, I_b), from chunk ``chunk`` of ``stream``."""
         rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed, spawn_key=(stream, chunk))))
         g = rng.standard_normal((size, self.bins))
-        if self.triangular:
-            from scipy.linalg.blas import dtrmm
-
-            # g L^T = (L g^T)^T with the triangular BLAS product (half the flops of a full
-            # product); g^T is Fortran-ordered, so the product is in place and its transpose is
-            # C-ordered again (no copies)
-            return dtrmm(1.0, self._factor_f, g.T, side=0, lower=1, trans_a=0, overwrite_b=1).T
+        # g L^T by the general BLAS product: it has twice the flops of the triangular product
+        # (dtrmm) but runs about twice as fast for these shapes (k = b small; OpenBLAS's trmm is
+        # not blocked for them; benchmarks/RESULTS.md, "Monte Carlo throughput")
         return g @ self.factor.T
-
-    @property
-    def _factor_f(self) -> np.ndarray:
-        cached = self.__dict__.get("_ff")
-        if cached is None:
-            cached = np.asfortranarray(self.factor)
-            object.__setattr__(self, "_ff", cached)
-        return cached
 
 
 def reduce_balls_in_bins(C: Any, bins: int) -> ReducedPair:
@@ -93,7 +81,7 @@ class _Offsets:
 
 def _exp_rows(V: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(exp(V - c), c) with c the row maxima: entries in (0, 1], shared by both adjacencies."""
-    c = V.max(axis=1)
+    c = _row_max(V)
     E = V - c[:, None]
     np.exp(E, out=E)
     return E, c
@@ -137,6 +125,73 @@ def _lse_shift(V: np.ndarray, d: np.ndarray, Ec=None) -> np.ndarray:
     return out
 
 
+def _row_max(u: np.ndarray) -> np.ndarray:
+    """max over each row of u: numpy's reduction over a short last axis is slow (51 ns per row of
+    8 against 11 ns for a running maximum over the columns), so narrow rows use the columns."""
+    if u.shape[1] > 24:
+        return u.max(axis=1)
+    out = u[:, 0].copy()
+    for k in range(1, u.shape[1]):
+        np.maximum(out, u[:, k], out=out)
+    return out
+
+
+def _screen_stats(red: ReducedPair) -> tuple[np.ndarray, np.ndarray, float]:
+    """(A[i, i], max_{k != i} A[k, i], max_k G_kk) with A[k, i] = G[k, i] - G[k, k] / 2, cached
+    on ``red``: the constants of :func:`screen_rows`."""
+    cached = red.__dict__.get("_screen")
+    if cached is None:
+        G = red.gram
+        diag = np.diag(G)
+        A = G - 0.5 * diag[:, None]
+        others = A.copy()
+        np.fill_diagonal(others, -np.inf)
+        other = others.max(axis=0) if red.bins > 1 else np.full(1, -np.inf)
+        cached = (np.diag(A).copy(), other, float(diag.max()))
+        object.__setattr__(red, "_screen", cached)
+    return cached
+
+
+def screen_rows(red: ReducedPair, u: np.ndarray, t1: float, t2: float, epsilon: float
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of u (stratified: row j uses bin j mod b; whole rounds over the bins) whose (Y-add)
+    resp. (Y-remove) may exceed ``epsilon`` for some t = 1/nu in [t1, t2]; at every such t the
+    other rows have Y <= epsilon, so their (1 - e^(eps - Y))_+ is exactly 0.
+
+    With x_k = t u_k and logsumexp <= max + log b (the log b cancels in Y-add):
+
+        Y-add(j)    <= max_k (x_k + t^2 A[k, i])
+                    <= max(x_i + t^2 A[i, i],  max_k x_k + t^2 max_{k != i} A[k, i]),         (S-add)
+        Y-remove(j) =  log b - logsumexp_k (x_k - t^2 G_kk / 2)
+                    <= log b - max_k x_k + t^2 max_k G_kk / 2                                (S-remove)
+
+    (the last: the term of the largest x_k is at least max_k x_k - t^2 max_k G_kk / 2). Over
+    t in [t1, t2] each term is bounded by its larger end (t u, t^2 c are monotone in t; A[i, i] =
+    G_ii / 2 >= 0, max_k G_kk >= 0) and -max_k x_k by -min(t1, t2 applied to max_k u_k). One pass
+    for the row maxima and a gather of the own coordinate, instead of b exponentials per row: at
+    a calibrated noise most rows are far below epsilon. A row is dropped only if its bound is
+    :data:`_SCREEN_SLACK` below epsilon (rounding in the bound never drops a counted row)."""
+    own_a, other_a, gmax = _screen_stats(red)
+    m, b = u.shape
+    r = m // b
+    umax = _row_max(u)
+    own = u.reshape(r, b, b).diagonal(axis1=1, axis2=2)  # (r, i): u_i of row r b + i
+    hi_umax = np.maximum(t1 * umax, t2 * umax)
+    lo_umax = np.minimum(t1 * umax, t2 * umax)
+    s1, s2 = t1 * t1, t2 * t2
+    limit = epsilon - _SCREEN_SLACK
+    bound_add = np.maximum(np.maximum(t1 * own, t2 * own) + s2 * own_a,
+                           hi_umax.reshape(r, b) + np.maximum(s1 * other_a, s2 * other_a))
+    rows_add = np.flatnonzero(bound_add.reshape(m) > limit)
+    rows_rem = np.flatnonzero(math.log(b) + s2 * 0.5 * gmax - lo_umax > limit)
+    return rows_add, rows_rem
+
+
+#: A row is skipped by :func:`screen_rows` only if its bound is this far below epsilon, so
+#: rounding in the bound can never drop a row the exact loss would count.
+_SCREEN_SLACK = 1e-7
+
+
 class _Losses:
     """Privacy losses (Y-add), (Y-remove) for one noise level, from reduced samples u."""
 
@@ -145,10 +200,27 @@ class _Losses:
         diag = np.diag(red.gram)
         self.t = t
         self.log_b = math.log(red.bins)
+        A = red.gram - 0.5 * diag[:, None]  # (k, i)
         # add: exponent t u_k + t^2 A[k, i], A[k, i] = G[k, i] - G[k, k] / 2
-        self.add_off = _Offsets((t * t) * (red.gram - 0.5 * diag[:, None]))
+        self.add_off = _Offsets((t * t) * A)
         # remove: exponent t u_k - t^2 G[k, k] / 2
         self.d = -(t * t) * 0.5 * diag
+        self._red = red
+
+    def screen(self, u: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of u whose (Y-add) resp. (Y-remove) may exceed ``epsilon`` at this noise
+        (:func:`screen_rows` with t1 = t2 = t); every other row has (1 - e^(eps - Y))_+ = 0."""
+        return screen_rows(self._red, u, self.t, self.t, epsilon)
+
+    def hockey_screened(self, u: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows_add, f_add, f_remove_nonzero): (1 - e^(eps - Y))_+ of the rows :meth:`screen`
+        keeps (stratified layout; the add rows' bins are rows_add mod b) -- every other row's
+        value is exactly 0, so sums over the chunk equal those of the unscreened losses."""
+        b = u.shape[1]
+        rows_add, rows_rem = self.screen(u, epsilon)
+        f_add = _hockey(self.add(u[rows_add], rows_add % b), epsilon) if rows_add.size else np.zeros(0)
+        f_rem = _hockey(self.remove(u[rows_rem]), epsilon) if rows_rem.size else np.zeros(0)
+        return rows_add, f_add, f_rem
 
     def both(self, u: np.ndarray, bin_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(Y_add, Y_remove) per row of u; row j uses bin ``bin_ids[j]`` (default j mod b)."""
