@@ -8,7 +8,8 @@
 Prints every candidate (screening numbers, ``kind`` says guarantee or estimate) and the
 recommended one, re-calibrated with the full formal guarantee and saved as a mechanism file
 (``--mechanism-file``, default ``plan-recommended.json``; with ``--out DIR`` every candidate's
-file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on stdout, no progress.
+file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on stdout, no progress. Otherwise progress goes to
+stderr: a bar on a terminal, else a line per phase once planning has taken a second.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
         from ..strategies.io import check_mechanism_path
 
         check_mechanism_path(mechanism_file, "mechanism_file")
-    show = not as_json and sys.stdout.isatty()
-    if show:
+    if as_json:  # exactly one JSON object, nothing else
+        result = plan(setup, out_dir=out_dir, mechanism_file=mechanism_file, progress=False)
+    elif sys.stdout.isatty():
         result = _with_progress(setup, out_dir, mechanism_file)
-    else:
+    else:  # progress lines on stderr (the planner's default), also when it is not a terminal
         result = plan(setup, out_dir=out_dir, mechanism_file=mechanism_file)
     data = result.to_dict()
     if plot is not None:
@@ -74,12 +76,12 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
 
 
 def _with_progress(setup, out_dir, mechanism_file):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from ..planner import plan
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), transient=True) as bar:
+                  TimeElapsedColumn(), TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task("planning", total=1)
 
         def progress(label, done, total):

@@ -39,6 +39,15 @@ MAX_NOISE_MULTIPLIER = 1e6
 DPSGD_TIE_MARGIN = 0.02
 #: Final re-calibrations at most (each may be a verified Monte Carlo run).
 MAX_FINALIZE = 4
+#: A Monte Carlo (balls-in-bins) candidate is worth sampling only while it can beat the best final
+#: guarantee by this fraction: its verification costs ~1/delta samples (10^8 at delta 1e-5), and a
+#: smaller gain is inside what rms_error resolves (the reasoning of DPSGD_TIE_MARGIN). Checked
+#: first against a deterministic lower bound on its rms_error, then against its estimates.
+IMPROVEMENT_MARGIN = DPSGD_TIE_MARGIN
+#: Samples of the estimate that decides which screened Monte Carlo candidate to verify: as many
+#: as the final calibration uses, so it predicts the verified noise to about a percent (the
+#: 2^15-sample screening moves by several percent between runs).
+PREFINAL_MC_SAMPLES = FINAL_MC_SAMPLES
 #: A screened (not yet final) candidate whose rms_error is within this fraction of the best final
 #: one is finalized too before the choice: 2^15-sample screening estimates move by several percent
 #: between runs (MNIST-1D `make run`: bandmf:64 screened at 10.29 in one run, final 10.01 in

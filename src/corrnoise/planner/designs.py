@@ -6,8 +6,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import CorrnoiseError
 from .constants import _PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N, TREE_DECODINGS
 from .setup import PlanSetup
+
+#: What a failed design raises (a refused input, a numerical failure -- numpy's LinAlgError is a
+#: ValueError -- an overflow): the planner drops that candidate with the reason and goes on.
+#: Programming errors (TypeError, AttributeError, ...) still propagate.
+DESIGN_FAILURES = (CorrnoiseError, ValueError, ArithmeticError)
 
 
 def _errors(strategy) -> tuple[float, float]:
