@@ -66,11 +66,13 @@ class LineProgress:
     says what it is doing also where stderr is not a terminal (a log file, CI, a notebook).
 
     Nothing is written during the first ``after`` seconds (quick work stays silent). After that
-    a line is written when a new phase (``label``) starts, at most every ``gap`` seconds, and
-    within a phase every ``every`` seconds and when a phase that was shown ends. A line carries
-    the time since the first report, the phase's ``done/total`` and, once part of a phase is
-    done, the time left at the phase's rate so far (work items of a phase cost about the same:
-    Monte Carlo chunks, candidates). A label may carry its own up-front estimate (``"(~40 s)"``).
+    a line is written when a new phase starts, at most every ``gap`` seconds, and within a phase
+    every ``every`` seconds and when a phase that was shown ends. A label ``"phase: detail"``
+    reports progress of ``phase`` (its timing is shared; the detail may change from call to
+    call). A line carries the time since the first report, the phase's ``done/total`` and, once
+    part of a phase is done, the time left at the phase's rate so far (work items of a phase cost
+    about the same: Monte Carlo chunks, candidates). A label may carry its own up-front estimate
+    (``"verifying ... (~40 s)"``).
     """
 
     def __init__(self, prefix: str = "corrnoise", stream: TextIO | None = None, after: float = 1.0,
@@ -81,7 +83,7 @@ class LineProgress:
         self.clock = clock
         self._t0: float | None = None
         self._last = -float("inf")
-        self._label: str | None = None
+        self._phase: str | None = None
         self._phase_t0 = 0.0
         self._shown: set[str] = set()
 
@@ -89,20 +91,20 @@ class LineProgress:
         now = self.clock()
         if self._t0 is None:
             self._t0 = now
-        if label != self._label:
-            self._label, self._phase_t0 = label, now
+        phase = label.split(": ", 1)[0]
+        if phase != self._phase:
+            self._phase, self._phase_t0 = phase, now
         if now - self._t0 < self.after:
             return
-        finished = total > 0 and done >= total
-        if finished:
-            if label in self._shown:
-                self._shown.discard(label)
-                self._write(now, f"{label}: done in {format_seconds(now - self._phase_t0)}")
-                self._label = None
+        if total > 0 and done >= total:
+            if phase in self._shown:
+                self._shown.discard(phase)
+                self._write(now, f"{phase}: done in {format_seconds(now - self._phase_t0)}")
+                self._phase = None
             return
-        new = label not in self._shown
+        new = phase not in self._shown
         if (new and now - self._last >= self.gap) or now - self._last >= self.every:
-            self._shown.add(label)
+            self._shown.add(phase)
             self._write(now, self._line(label, done, total, now))
 
     def _line(self, label: str, done: int, total: int, now: float) -> str:

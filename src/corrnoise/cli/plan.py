@@ -109,8 +109,12 @@ def _table(result, data) -> None:
     rec = result.recommended
     for c in result.candidates:
         batching = c.batching if c.batching != "none" else f"none ({c.participation})"
-        row = [c.mechanism, batching, c.accounting or "-", (c.kind or "-") + (" (final)" if c.final else ""),
-               _fmt(c.noise_std), _fmt(c.noise_multiplier), _fmt(c.rms_error), _fmt(c.max_error),
+        kind = (c.kind or "-") + (" (final)" if c.final else "")
+        rms = _fmt(c.rms_error)
+        if not c.calibrated and c.lower_rms is not None:  # ruled out by its lower bound, never sampled
+            kind, rms = "not sampled", f">= {c.lower_rms:.4g}"
+        row = [c.mechanism, batching, c.accounting or "-", kind,
+               _fmt(c.noise_std), _fmt(c.noise_multiplier), rms, _fmt(c.max_error),
                str(c.memory_vectors), _fmt(c.noise_cost, ".3g"), "yes" if c.feasible else "no", f"{c.seconds:.1f}"]
         table.add_row(*row, style="bold green" if c is rec else None)
     console = Console() if sys.stdout.isatty() else Console(width=170)
@@ -118,6 +122,8 @@ def _table(result, data) -> None:
     console.print(f"recommended: [bold]{rec.mechanism}[/bold] with batching {rec.batching}"
                   f"{' (' + rec.participation + ')' if rec.participation else ''}, noise_std {rec.noise_std:.6g} "
                   f"(sigma {rec.noise_multiplier:.6g}), {rec.accounting} {rec.kind}; rms_error {rec.rms_error:.4g}")
+    for d in result.dropped:
+        console.print(f"dropped {d['candidate']}: {d['reason']}", markup=False)
     if rec.mechanism_file:
         console.print(f"mechanism file: {rec.mechanism_file}")
     if "plot" in data:

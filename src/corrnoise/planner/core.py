@@ -579,19 +579,20 @@ def _estimate(cand: Candidate, setup: PlanSetup, seed: int | None) -> None:
     _apply(cand, res, final, time.perf_counter() - t0)
     cand.stage = "estimated"
     cand.accounting_details["estimate_samples"] = PREFINAL_MC_SAMPLES
-    cand.accounting_details["estimate_seconds"] = round(time.perf_counter() - t0, 3)
 
 
 def _verify_eta(cand: Candidate, setup: PlanSetup) -> str:
-    """' (~N s)': the time a verification of ``cand`` should take, from its own estimate's rate
-    (samples per second of the PREFINAL_MC_SAMPLES estimate), or '' when unknown."""
+    """' (N samples, ~T)': what a verified calibration of ``cand`` will sample (the calibration
+    sample and the verification sample of Thm 2.2) and, from this process's last Monte Carlo pass
+    over as many bins, about how long that takes ('' for the time when there was none)."""
+    from ..accounting import parse_batching
     from ..accounting.montecarlo import verification_samples
+    from ..accounting.montecarlo.sampling import seconds_per_sample
 
-    secs = cand.accounting_details.get("estimate_seconds")
-    if not secs:
-        return ""
     total = verification_samples(setup.delta) + FINAL_MC_SAMPLES
-    return f" (~{format_seconds(secs * total / PREFINAL_MC_SAMPLES)})"
+    rate = seconds_per_sample(parse_batching(cand.batching).bins)
+    eta = f", ~{format_seconds(rate * total)}" if rate else ""
+    return f" ({total:.2g} samples{eta})"
 
 
 def finalize_candidate(cand: Candidate, setup: PlanSetup) -> Candidate:
@@ -607,8 +608,8 @@ def finalize_candidate(cand: Candidate, setup: PlanSetup) -> Candidate:
         what = f"verifying {cand.mechanism} + {cand.batching}{_verify_eta(cand, setup)}"
     report(what, 0, 1)
 
-    def relay(label: str, done: int, total: int) -> None:
-        report(f"{what}: {label}", done, total)
+    def relay(label: str, done: int, total: int) -> None:  # each Monte Carlo pass its own phase
+        report(f"{what}, {label}", done, total)
 
     t0 = time.perf_counter()
     try:

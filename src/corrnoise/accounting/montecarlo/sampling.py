@@ -6,6 +6,7 @@ results are combined in chunk order, so no number depends on the worker count.""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -251,6 +252,16 @@ def _chunks(bins: int, samples: int) -> list[int]:
     return [size] * full + ([rest] if rest else [])
 
 
+#: wall seconds per sample of the last pass of at least 2^16 samples, per number of bins
+_SECONDS_PER_SAMPLE: dict[int, float] = {}
+
+
+def seconds_per_sample(bins: int) -> float | None:
+    """Wall seconds per reduced sample of the last large pass over ``bins`` bins in this process
+    (None before any): what a progress estimate of a coming pass can go by."""
+    return _SECONDS_PER_SAMPLE.get(int(bins))
+
+
 def _map_chunks(red: ReducedPair, seed: int, stream: int, samples: int, fn: Callable[[np.ndarray], Any],
                 workers: int | None = None, progress: Progress | bool | None = None,
                 label: str = "sampling") -> list[Any]:
@@ -263,5 +274,9 @@ def _map_chunks(red: ReducedPair, seed: int, stream: int, samples: int, fn: Call
         return fn(red.draw(seed, stream, k, sizes[k]))
 
     # one BLAS thread per worker: parallelism comes from the chunks
+    t0 = time.perf_counter()
     with blas_threads(1 if workers > 1 else None):
-        return map_ordered(work, range(len(sizes)), workers, progress, label)
+        out = map_ordered(work, range(len(sizes)), workers, progress, label)
+    if samples >= 1 << 16:
+        _SECONDS_PER_SAMPLE[red.bins] = (time.perf_counter() - t0) / samples
+    return out
