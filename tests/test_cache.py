@@ -178,3 +178,42 @@ def test_the_key_digests_the_accounting_code(monkeypatch):
     monkeypatch.setattr(cc, "_VERSION", None)
     monkeypatch.setattr(cc, "ACCOUNTANT_VERSION", cc.ACCOUNTANT_VERSION + 1)
     assert cc.accountant_version() != version
+
+
+def test_the_planner_reuses_an_optimized_strategy_only_if_it_rebuilds_to_the_same_fingerprint(cache_dir):
+    from corrnoise.optimize import optimize_blt
+    from corrnoise.planner.store import cached_strategy
+    from corrnoise.strategies import ColumnNormalized, mechanism_fingerprint
+
+    runs = []
+
+    def build():
+        runs.append(1)
+        return optimize_blt(24, buffers=2, participation="cyclic:3:8")
+
+    args = {"n": 24, "buffers": 2, "participation": "cyclic:3:8"}
+    first = cached_strategy("optimize_blt", args, build)
+    second = cached_strategy("optimize_blt", args, build)
+    assert len(runs) == 1 and mechanism_fingerprint(second) == mechanism_fingerprint(first)
+    np.testing.assert_array_equal(second.matrix(), first.matrix())  # bit for bit
+    cached_strategy("optimize_blt", dict(args, buffers=1), build)  # other arguments: optimized again
+    assert len(runs) == 2
+    (path,) = [p for p in (cache_dir / "designs").glob("*.json")
+               if json.loads(p.read_text())["key"]["args"] == args]
+    entry = json.loads(path.read_text())
+    assert entry["body"]["params"]["alpha"]
+    entry["body"]["params"]["alpha"] = [a * 1.5 for a in entry["body"]["params"]["alpha"]]
+    path.write_text(json.dumps(entry))  # edited: the digest fails
+    cached_strategy("optimize_blt", args, build)
+    assert len(runs) == 3
+    entry = json.loads(path.read_text())
+    entry["body"]["fingerprint"] = "0" * 64  # rehashed but the rebuilt C has another fingerprint
+    from corrnoise.planner import store
+
+    entry["digest"] = store._digest(entry["key"], entry["body"])
+    path.write_text(json.dumps(entry))
+    cached_strategy("optimize_blt", args, build)
+    assert len(runs) == 4
+    cn = cached_strategy("colnorm", {"n": 8}, lambda: ColumnNormalized(parse_strategy("bsr:2", 8)))
+    again = cached_strategy("colnorm", {"n": 8}, lambda: 1 / 0)
+    assert isinstance(again, ColumnNormalized) and mechanism_fingerprint(again) == mechanism_fingerprint(cn)

@@ -9,6 +9,7 @@ from typing import Any, Callable
 from ..errors import CorrnoiseError
 from .constants import _PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N, TREE_DECODINGS
 from .setup import PlanSetup
+from .store import cached_strategy
 
 #: What a failed design raises (a refused input, a numerical failure -- numpy's LinAlgError is a
 #: ValueError -- an overflow): the planner drops that candidate with the reason and goes on.
@@ -94,7 +95,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
             def bandmf(bands=bands):
                 from ..optimize import optimize_banded_toeplitz
 
-                strat = optimize_banded_toeplitz(n, bands, participation=part)
+                strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": bands, "participation": part},
+                                        lambda: optimize_banded_toeplitz(n, bands, participation=part))
                 bats = ["none"]
                 if "block-cyclic" in allowed:
                     bats.append(f"block-cyclic:{bands}")
@@ -107,7 +109,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
             def blt(d=d):
                 from ..optimize import optimize_blt
 
-                strat = optimize_blt(n, buffers=d, participation=part)
+                strat = cached_strategy("optimize_blt", {"n": n, "buffers": d, "participation": part},
+                                        lambda: optimize_blt(n, buffers=d, participation=part))
                 d_eff = len(strat.alpha)
                 bats = ["none"] + ([bins] if bins_ok and strat.is_nonnegative() else [])
                 return _Design("blt", f"blt:{d_eff}", strat, d_eff, 1.0 + 2.0 * d_eff, bats, 0.0)
@@ -129,7 +132,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
         def toeplitz():
             from ..optimize import optimize_banded_toeplitz
 
-            strat = optimize_banded_toeplitz(n, n, participation=part)
+            strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": n, "participation": part},
+                                    lambda: optimize_banded_toeplitz(n, n, participation=part))
             cost = _toeplitz_regenerate_cost(strat.inverse_coefficients, n)
             return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
         tasks.append(("toeplitz", timed(toeplitz)))
@@ -137,7 +141,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
         def dense():
             from ..optimize import optimize_dense
 
-            strat = optimize_dense(n, participation=part)
+            strat = cached_strategy("optimize_dense", {"n": n, "participation": part},
+                                    lambda: optimize_dense(n, participation=part))
             return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
         tasks.append(("dense", timed(dense)))
     if "tree" in families and n >= 2:
