@@ -247,3 +247,17 @@ def test_blt_bad_input(kwargs, param):
     with pytest.raises(CorrnoiseError) as err:
         B.optimize_blt(**kwargs)
     assert err.value.param == param and "\n" not in str(err.value)
+
+
+def test_blt_each_is_optimize_blt_per_number_of_buffers():
+    """One run of the d = 1, 2, ... path gives each d's optimize_blt result (the planner builds
+    blt:1, blt:2, blt:4 from it instead of three runs that each recompute the smaller d)."""
+    each = B.optimize_blt_each(60, (4, 1, 2), participation="cyclic:5:12")
+    assert sorted(each) == [1, 2, 4]
+    for d, strat in each.items():
+        alone = B.optimize_blt(60, buffers=d, participation="cyclic:5:12")
+        np.testing.assert_array_equal(strat.alpha, alone.alpha)
+        np.testing.assert_array_equal(strat.lam, alone.lam)
+    with pytest.raises(CorrnoiseError) as err:
+        B.optimize_blt_each(60, ())
+    assert err.value.param == "buffers"

@@ -47,7 +47,7 @@ from .calibrate import DEFAULT_RTOL, calibrate
 from .event import as_event
 
 __all__ = ["ACCOUNTANT_VERSION", "CACHE_ENV", "cache_dir", "cache_key", "cached_calibrate", "cached_guarantee", "lookup",
-           "store"]
+           "remember", "store"]
 
 #: Bump when the meaning of a cached guarantee changes without a change to the accounting code
 #: (the code itself is digested into every key, see :func:`accountant_version`).
@@ -238,6 +238,17 @@ def cached_guarantee(event_or_strategy, batching=None, *, epsilon: float, delta:
         return None
     hit = lookup(directory, key, event)
     return None if hit is None else hit.with_extras(cached=True)
+
+
+def remember(result: PrivacyResult, event_or_strategy, batching=None, *, epsilon: float, delta: float,
+             method: str = "auto", rtol: float = DEFAULT_RTOL, **options: Any) -> bool:
+    """Store a guarantee computed elsewhere under the key :func:`cached_calibrate` would use for
+    these arguments (without seeds: any verified guarantee for the event is one); only a
+    self-consistent guarantee is stored (:func:`store`). Returns whether it was stored."""
+    directory, key, event, _ = _event_key(event_or_strategy, batching, epsilon, delta, method, rtol, options)
+    if directory is None or key is None:
+        return False
+    return store(directory, key, result, event)
 
 
 def cached_calibrate(event_or_strategy, batching=None, *, epsilon: float, delta: float, method: str = "auto",

@@ -85,8 +85,9 @@ from typing import Any, Callable, Iterable
 
 from ..errors import CorrnoiseError, check_int
 from ..progress import LineProgress, format_seconds, null_progress
-from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, FAMILIES, FINAL_MC_SAMPLES, IMPROVEMENT_MARGIN,
-                        MAX_DENSE_N, MAX_FINALIZE, MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES, PREFINAL_MC_SAMPLES,
+from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, ESTIMATE_MC_SAMPLES, FAMILIES, FINAL_MC_SAMPLES,
+                        IMPROVEMENT_MARGIN,
+                        MAX_DENSE_N, MAX_FINALIZE, MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES,
                         SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES, SCREEN_MC_TAU, SCREEN_NOISE_MARGIN)
 from .designs import DESIGN_FAILURES, _batching_spec, _designs, _errors
 from .setup import PlanSetup, make_setup
@@ -209,9 +210,7 @@ def _calibrate(strategy, batching: str, participation: str | None, epsilon: floa
     bat = parse_batching(batching, participation if batching == "none" else None)
     if isinstance(bat, _balls_in_bins_class()):
         if not screen:
-            res = cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES,
-                                   progress=progress)
-            return res, True
+            return _mc_final(strategy, bat, epsilon, delta, progress), True
         res = _mc_estimate(strategy, bat, epsilon, delta, seed, screen_samples)
         return res, res.kind == "guarantee"
     method = choose_method(strategy, bat)
@@ -224,6 +223,32 @@ def _calibrate(strategy, batching: str, participation: str | None, epsilon: floa
                 raise
             _NO_DISCRETIZATION.add(method)
     return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta), True
+
+
+def _mc_final(strategy, bat, epsilon: float, delta: float, progress):
+    """The verified balls-in-bins guarantee (Estimate-Verify-Release, seed 000 Thm 2.1: the
+    calibration on FINAL_MC_SAMPLES samples, the verification on a fresh sample, both OS entropy),
+    from the cache if it holds one for this event, stored there otherwise."""
+    from ..accounting.cache import cached_calibrate
+
+    return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES, progress=progress)
+
+
+def _mc_candidate_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None):
+    """An estimate of the noise the verified calibration of :func:`_mc_final` will release:
+    Algorithm 2 aimed at delta / tau with the verification margin, as that calibration does
+    (:func:`corrnoise.accounting.montecarlo.verification_calibration`), on ESTIMATE_MC_SAMPLES
+    samples -- fewer than FINAL_MC_SAMPLES, so its margin is wider and the estimate sits a percent
+    or two *above* the final noise: a candidate it puts below the bar will be there when verified.
+    ``kind="estimate"``: it decides what to verify, never what to release."""
+    from ..accounting import PrivacyResult
+    from ..accounting.montecarlo import reduce_balls_in_bins, verification_calibration
+
+    red = reduce_balls_in_bins(strategy.matrix(), bat.bins)
+    cal = verification_calibration(red, bat.bins, epsilon, delta, ESTIMATE_MC_SAMPLES, seed)
+    extras = {"samples": cal.samples, "screened_at_delta": cal.target_delta, "margin_z": round(cal.margin_z, 4)}
+    return PrivacyResult(float(epsilon), float(delta), float(cal.noise_std), float(cal.noise_std / red.column_norm),
+                         "mc", extras, kind="estimate")
 
 
 def _mc_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None, samples: int):
@@ -522,7 +547,7 @@ def _search_monte_carlo(candidates: list[Candidate], setup: PlanSetup, report: P
 
     A candidate is *open* while feasible, not final and its lower bound is below :func:`_bar`.
     Open candidates are screened (2^15-sample estimate), the plausible ones (estimate below
-    bar * (1 + SCREEN_NOISE_MARGIN): screening noise) estimated on PREFINAL_MC_SAMPLES, and the
+    bar * (1 + SCREEN_NOISE_MARGIN): screening noise) estimated on ESTIMATE_MC_SAMPLES, and the
     lowest such estimate, if below the bar, is finalized (verified; a failed verification rules it
     out).  Repeats with the new bar, at most MAX_FINALIZE verifications."""
     mc = sorted((c for c in candidates if c.monte_carlo and c.lower_rms is not None), key=lambda c: c.lower_rms)
@@ -544,7 +569,7 @@ def _search_monte_carlo(candidates: list[Candidate], setup: PlanSetup, report: P
         plausible = sorted((c for c in open_ if c.stage == "screened" and c.rms_error < bar * (1.0 + SCREEN_NOISE_MARGIN)),
                            key=_rank_key)
         for j, cand in enumerate(plausible):
-            report(f"Monte Carlo estimates ({PREFINAL_MC_SAMPLES:.1e} samples): {cand.mechanism}", j, len(plausible))
+            report(f"Monte Carlo estimates ({ESTIMATE_MC_SAMPLES:.1e} samples): {cand.mechanism}", j, len(plausible))
             _estimate(cand, setup, seed)
         best = min((c for c in open_ if c.stage == "estimated" and c.rms_error < bar), key=_rank_key, default=None)
         if best is None:
@@ -564,21 +589,22 @@ def _search_monte_carlo(candidates: list[Candidate], setup: PlanSetup, report: P
 
 
 def _estimate(cand: Candidate, setup: PlanSetup, seed: int | None) -> None:
-    """A PREFINAL_MC_SAMPLES estimate of a screened Monte Carlo candidate's noise (what its
-    verified calibration will find, to about a percent), in place: the choice of which candidate
-    to verify rests on it, never a guarantee."""
+    """A screened Monte Carlo candidate's estimate of its verified noise
+    (:func:`_mc_candidate_estimate`), in place: the choice of which candidate to verify rests on
+    it; it is an estimate, never a guarantee."""
+    from ..accounting import parse_batching
+
     t0 = time.perf_counter()
     try:
-        res, final = _calibrate(cand.strategy, cand.batching, cand.participation, setup.epsilon, setup.delta,
-                                screen=True, seed=seed, screen_samples=PREFINAL_MC_SAMPLES)
+        res = _mc_candidate_estimate(cand.strategy, parse_batching(cand.batching), setup.epsilon, setup.delta, seed)
     except CorrnoiseError as exc:
         if exc.param != "epsilon":
             raise
         cand.feasible, cand.note = False, str(exc)
         return
-    _apply(cand, res, final, time.perf_counter() - t0)
+    _apply(cand, res, False, time.perf_counter() - t0)
     cand.stage = "estimated"
-    cand.accounting_details["estimate_samples"] = PREFINAL_MC_SAMPLES
+    cand.accounting_details["estimate_samples"] = ESTIMATE_MC_SAMPLES
 
 
 def _verify_eta(cand: Candidate, setup: PlanSetup) -> str:
