@@ -43,7 +43,7 @@ from ..linalg import blt as bltmath
 from ..participation import Participation, Single, parse_participation
 from ..strategies import BLT
 from ..workloads import Workload
-from .common import check_objective, check_progress, check_workload
+from .common import blas_threads, check_objective, check_progress, check_workload
 
 __all__ = ["optimize_blt", "blt_objective", "initial_blt", "MAX_BUFFERS"]
 
@@ -437,16 +437,19 @@ def optimize_blt(
 
     top = buffers if buffers is not None else MAX_BUFFERS
     best: tuple[float, np.ndarray, int] | None = None  # over all d (or d = buffers)
-    for d, loss, x, prev_loss in _blt_path(prob, top, max_iterations, progress):
-        if loss is None:  # no valid parameters for this d
-            if buffers is None and prev_loss is not None:
+    with blas_threads(1):  # small tensors: one intra-op thread (1.3 s vs 8.8 s wall at n = 2000, d <= 4)
+        path = _blt_path(prob, top, max_iterations, progress)
+        for d, loss, x, prev_loss in path:
+            if loss is None:  # no valid parameters for this d
+                if buffers is None and prev_loss is not None:
+                    break
+                continue
+            if buffers is None or d == buffers:
+                if best is None or loss < best[0]:
+                    best = (loss, x, d)
+            if buffers is None and prev_loss is not None and not loss < prev_loss * (1.0 - AUTO_BUFFER_GAIN):
                 break
-            continue
-        if buffers is None or d == buffers:
-            if best is None or loss < best[0]:
-                best = (loss, x, d)
-        if buffers is None and prev_loss is not None and not loss < prev_loss * (1.0 - AUTO_BUFFER_GAIN):
-            break
+        path.close()
     if best is None:
         raise CorrnoiseError(
             "buffers", "BLT optimization did not produce valid parameters; try another number of buffers"
@@ -471,10 +474,11 @@ def optimize_blt_each(n: int, buffers, participation="single", objective: str = 
     prob = _Problem(n, schema, check_objective(objective), check_workload(workload))
     max_iterations = check_int("max_iterations", max_iterations, minimum=1)
     out: dict[int, BLT] = {}
-    for d, loss, x, _ in _blt_path(prob, wanted[-1], max_iterations, None):
-        if loss is not None and d in wanted:
-            alpha, lam = _finalize(x, d, prob)[1:]
-            out[d] = BLT(alpha, lam, n)
+    with blas_threads(1):  # small tensors: one intra-op thread (see optimize_blt)
+        for d, loss, x, _ in _blt_path(prob, wanted[-1], max_iterations, None):
+            if loss is not None and d in wanted:
+                alpha, lam = _finalize(x, d, prob)[1:]
+                out[d] = BLT(alpha, lam, n)
     return out
 
 
