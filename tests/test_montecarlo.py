@@ -349,17 +349,20 @@ def test_screen_drops_only_rows_whose_loss_is_below_epsilon(name, C, bins):
     from corrnoise.accounting.montecarlo.sampling import screen_rows
 
     red = mc.reduce_balls_in_bins(C, bins)
-    u = red.draw(seed=5, stream=0, chunk=0, size=bins * 4000)
+    u, sums = red.draw_with_sums(seed=5, stream=0, chunk=0, size=bins * 4000)
+    np.testing.assert_allclose(sums, u.sum(axis=1), rtol=1e-9, atol=1e-9)
     for eps in (0.3, 2.0):
         nu_mid = mc.calibrate_noise_std(red, bins, eps, 1e-3, samples=bins * 2000, seed=2, _reduced=red).noise_std
         lo, hi = 0.8 * nu_mid, 1.25 * nu_mid
-        ra, rr = screen_rows(red, u, 1.0 / hi, 1.0 / lo, eps)
+        ra, rr = screen_rows(red, u, 1.0 / hi, 1.0 / lo, eps, sums)
+        ra0, rr0 = screen_rows(red, u, 1.0 / hi, 1.0 / lo, eps)  # without the row sums: a looser remove bound
+        assert set(rr) <= set(rr0) and np.array_equal(ra, ra0)
         for nu in (lo, nu_mid, hi):
             ya, yr = mc._Losses(red, nu).both(u)
             dropped_a = np.setdiff1d(np.arange(u.shape[0]), ra)
             dropped_r = np.setdiff1d(np.arange(u.shape[0]), rr)
             assert np.all(ya[dropped_a] <= eps) and np.all(yr[dropped_r] <= eps)
-        point_a, point_r = mc._Losses(red, nu_mid).screen(u, eps)
+        point_a, point_r = mc._Losses(red, nu_mid).screen(u, eps, sums)
         assert set(point_a) <= set(ra) and set(point_r) <= set(rr)  # a point is inside the interval
     if name.startswith("identity"):  # near-orthogonal modes at eps 2: it prunes most rows
         assert len(point_a) < 0.3 * u.shape[0] and len(point_r) < 0.1 * u.shape[0]

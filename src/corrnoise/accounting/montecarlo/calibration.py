@@ -123,19 +123,19 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
     evaluations = 0
 
     def draw_kept(stream: int, m: int, lo: float, hi: float) -> _Kept:
-        def fn(u):
+        def fn(u, sums):
             # a cheap screen first (:func:`screen_rows`, one pass, no exponentials), then the
-            # termwise bounds of _keep_bounds on the rows it leaves; the screen's bound is above
-            # _keep_bounds', so the kept rows are the same as with _keep_bounds alone
+            # termwise bounds of _keep_bounds on the rows it leaves; a row either drops has
+            # Y <= eps at every noise in [lo, hi], so the objective is the same as with all rows
             ids = _stratified_ids(u.shape[0], b)
-            ra, rr = screen_rows(red, u, 1.0 / hi, 1.0 / lo, epsilon)
+            ra, rr = screen_rows(red, u, 1.0 / hi, 1.0 / lo, epsilon, sums)
             if ra.size:
                 ra = ra[_keep_bounds(red, u[ra], ids[ra], lo, hi, epsilon)[0]]
             if rr.size:
                 rr = rr[_keep_bounds(red, u[rr], ids[rr], lo, hi, epsilon)[1]]
             return u[ra], ids[ra], u[rr]
 
-        parts = _map_chunks(red, seed, stream, m, fn, workers, progress, "calibrating noise")
+        parts = _map_chunks(red, seed, stream, m, fn, workers, progress, "calibrating noise", with_sums=True)
         return _Kept(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                      np.concatenate([p[2] for p in parts]), b, m, lo, hi)
 

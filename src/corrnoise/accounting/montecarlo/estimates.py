@@ -87,16 +87,17 @@ def _delta_moments(red: ReducedPair, noise_std: float, epsilon: float, samples: 
     losses = _Losses(red, noise_std)
     b = red.bins
 
-    def fn(u):
+    def fn(u, sums):
         # only rows whose loss may exceed epsilon are evaluated (the others contribute exactly 0)
-        rows_add, f_add, f_rem = losses.hockey_screened(u, epsilon)
+        rows_add, f_add, f_rem = losses.hockey_screened(u, epsilon, sums)
         m = u.shape[0]
         ids = rows_add % b
         return (np.bincount(ids, weights=f_add, minlength=b), np.bincount(ids, weights=f_add * f_add, minlength=b),
                 m // b, float(f_rem.sum()), float((f_rem * f_rem).sum()), m)
 
     mom = _Moments(b)
-    for a1, a2, rows, r1, r2, m in _map_chunks(red, seed, stream, samples, fn, workers, progress, label):
+    for a1, a2, rows, r1, r2, m in _map_chunks(red, seed, stream, samples, fn, workers, progress, label,
+                                               with_sums=True):
         mom.add1 += a1
         mom.add2 += a2
         mom.add_n += rows
