@@ -199,7 +199,8 @@ _REPORT: contextvars.ContextVar[Progress] = contextvars.ContextVar("corrnoise_pl
 
 
 def _calibrate(strategy, batching: str, participation: str | None, epsilon: float, delta: float, screen: bool,
-               seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES, progress: Progress | None = None):
+               seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES, progress: Progress | None = None,
+               lower_noise: float | None = None):
     """(PrivacyResult, final?) for ``strategy`` under ``batching``.  Screening: coarse PLD
     discretization where the method takes one, Monte Carlo estimates (:func:`_mc_estimate`);
     final: full analysis (verified Monte Carlo).  Guarantees go through the on-disk cache of
@@ -211,7 +212,7 @@ def _calibrate(strategy, batching: str, participation: str | None, epsilon: floa
     if isinstance(bat, _balls_in_bins_class()):
         if not screen:
             return _mc_final(strategy, bat, epsilon, delta, progress), True
-        res = _mc_estimate(strategy, bat, epsilon, delta, seed, screen_samples)
+        res = _mc_estimate(strategy, bat, epsilon, delta, seed, screen_samples, lower_noise)
         return res, res.kind == "guarantee"
     method = choose_method(strategy, bat)
     if screen and method not in _NO_DISCRETIZATION:
@@ -234,35 +235,51 @@ def _mc_final(strategy, bat, epsilon: float, delta: float, progress):
     return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES, progress=progress)
 
 
-def _mc_candidate_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None):
+def _mc_start(lower_noise: float | None) -> tuple[float, float] | None:
+    """Where a Monte Carlo calibration of a candidate starts looking: from its lower bound (the
+    noise is above it; 1.3x covers the bound's slack measured on the planner's setups)."""
+    return None if not lower_noise else (lower_noise, 1.3 * lower_noise)
+
+
+def _mc_candidate_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None,
+                           lower_noise: float | None = None):
     """An estimate of the noise the verified calibration of :func:`_mc_final` will release:
     Algorithm 2 aimed at delta / tau with the verification margin, as that calibration does
     (:func:`corrnoise.accounting.montecarlo.verification_calibration`), on ESTIMATE_MC_SAMPLES
     samples -- fewer than FINAL_MC_SAMPLES, so its margin is wider and the estimate sits a percent
     or two *above* the final noise: a candidate it puts below the bar will be there when verified.
     ``kind="estimate"``: it decides what to verify, never what to release."""
-    from ..accounting import PrivacyResult
     from ..accounting.montecarlo import reduce_balls_in_bins, verification_calibration
 
     red = reduce_balls_in_bins(strategy.matrix(), bat.bins)
-    cal = verification_calibration(red, bat.bins, epsilon, delta, ESTIMATE_MC_SAMPLES, seed)
+    cal = verification_calibration(red, bat.bins, epsilon, delta, ESTIMATE_MC_SAMPLES, seed,
+                                   start=_mc_start(lower_noise))
+    return _estimate_result(cal, red, epsilon, delta)
+
+
+def _estimate_result(cal, red, epsilon: float, delta: float):
+    from ..accounting import PrivacyResult
+
     extras = {"samples": cal.samples, "screened_at_delta": cal.target_delta, "margin_z": round(cal.margin_z, 4)}
     return PrivacyResult(float(epsilon), float(delta), float(cal.noise_std), float(cal.noise_std / red.column_norm),
                          "mc", extras, kind="estimate")
 
 
-def _mc_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None, samples: int):
+def _mc_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None, samples: int,
+                 lower_noise: float | None = None):
     """A Monte Carlo *estimate* of the balls-in-bins noise (seed 000 Algorithm 2, no verification,
-    ``kind="estimate"``), aimed at delta / SCREEN_MC_TAU like the verified calibration. Asked of
-    the method itself: :func:`~corrnoise.accounting.calibrate` releases guarantees only. One bin
-    is the exact Gaussian mechanism (a guarantee)."""
+    ``kind="estimate"``), aimed at delta / SCREEN_MC_TAU like the verified calibration, starting
+    from the candidate's lower bound. One bin is the exact Gaussian mechanism (a guarantee, from
+    the method)."""
     from ..accounting import get_method
+    from ..accounting.montecarlo import calibrate_noise_std, reduce_balls_in_bins
 
     aim = delta / SCREEN_MC_TAU
-    res = get_method("mc").calibrate(strategy, bat, epsilon, aim, samples=samples, seed=seed, estimate=True)
-    if res.kind != "guarantee":
-        res = res.with_extras(screened_at_delta=aim)
-    return res
+    if bat.bins == 1:
+        return get_method("mc").calibrate(strategy, bat, epsilon, aim, samples=samples, seed=seed, estimate=True)
+    red = reduce_balls_in_bins(strategy.matrix(), bat.bins)
+    cal = calibrate_noise_std(red, bat.bins, epsilon, aim, samples, seed, _reduced=red, start=_mc_start(lower_noise))
+    return _estimate_result(cal, red, epsilon, delta)
 
 
 def _balls_in_bins_class():
@@ -411,7 +428,7 @@ def _screen(cand: Candidate, setup: PlanSetup, seed: int | None, screen_samples:
     t0 = time.perf_counter()
     try:
         res, final = _calibrate(cand.strategy, cand.batching, cand.participation, setup.epsilon, setup.delta,
-                                screen=True, seed=seed, screen_samples=screen_samples)
+                                screen=True, seed=seed, screen_samples=screen_samples, lower_noise=cand.lower_noise)
     except CorrnoiseError as exc:
         if exc.param != "epsilon":
             raise
@@ -596,7 +613,8 @@ def _estimate(cand: Candidate, setup: PlanSetup, seed: int | None) -> None:
 
     t0 = time.perf_counter()
     try:
-        res = _mc_candidate_estimate(cand.strategy, parse_batching(cand.batching), setup.epsilon, setup.delta, seed)
+        res = _mc_candidate_estimate(cand.strategy, parse_batching(cand.batching), setup.epsilon, setup.delta, seed,
+                                     cand.lower_noise)
     except CorrnoiseError as exc:
         if exc.param != "epsilon":
             raise

@@ -189,16 +189,17 @@ def verification_margin_z(margin_z: float, estimation_samples: int, verify_sampl
 def verification_calibration(C: Any, bins: int, epsilon: float, delta: float, samples: int, seed: int,
                              tau: float = DEFAULT_TAU, margin_z: float = DEFAULT_MARGIN_Z,
                              verify_samples: int | None = None, workers: int | None = None,
-                             progress: Progress | bool | None = None):
+                             progress: Progress | bool | None = None, start: tuple[float, float] | None = None):
     """The Estimate step of Estimate-Verify-Release for calibrating (seed 000 Algorithm 2 aimed at
     delta / tau with the margin :func:`verification_margin_z`): the candidate noise a verified
     calibration with this ``seed`` and ``samples`` goes on to verify, computed alone. Only an
     estimate -- :func:`account_balls_in_bins` verifies it on a fresh sample before anything is
-    released; a planner can rank candidates by exactly the noise their verification would test."""
+    released; a planner can rank candidates by exactly the noise their verification would test.
+    ``start``: the calibration's starting bracket (:func:`calibrate_noise_std`)."""
     red = C if isinstance(C, ReducedPair) else reduce_balls_in_bins(C, bins)
     z = verification_margin_z(margin_z, samples, verify_samples or verification_samples(delta, tau))
     return calibrate_noise_std(red, bins, epsilon, delta / tau, samples, seed, z, workers=workers, progress=progress,
-                               _reduced=red)
+                               _reduced=red, start=start)
 
 
 def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, noise_std: float | None = None,
