@@ -483,3 +483,17 @@ def test_gaussian_calibration_at_tiny_epsilon_is_quick_and_valid(epsilon):
     assert gaussian_delta(epsilon, mu) <= 1e-5
     assert gaussian_epsilon(1e-5, mu) <= epsilon * (1.0 + 1e-6)
     assert gaussian_delta(epsilon, mu * 1.001) > 1e-5  # and it is the largest such mu (within 0.1%)
+
+
+def test_calibrate_from_the_coarse_result_skips_the_coarse_search_and_agrees():
+    """calibrate(start=...) with the coarse (discretization 1e-3) calibration gives the same
+    guarantee with fewer evaluations: the planner's screening is that coarse search."""
+    from corrnoise.accounting import calibrate
+    from corrnoise.strategies import parse_strategy
+
+    C, bat = parse_strategy("bsr:4", 200), "block-cyclic:4:0.1"
+    coarse = calibrate(C, bat, epsilon=2.0, delta=1e-5, discretization=1e-3)
+    full = calibrate(C, bat, epsilon=2.0, delta=1e-5)
+    hinted = calibrate(C, bat, epsilon=2.0, delta=1e-5, start=coarse.noise_std)
+    assert hinted.noise_std == full.noise_std and hinted.epsilon == full.epsilon <= 2.0
+    assert hinted.extras["calibration_evaluations"] < full.extras["calibration_evaluations"]

@@ -252,18 +252,20 @@ def remember(result: PrivacyResult, event_or_strategy, batching=None, *, epsilon
 
 
 def cached_calibrate(event_or_strategy, batching=None, *, epsilon: float, delta: float, method: str = "auto",
-                     rtol: float = DEFAULT_RTOL, **options: Any) -> PrivacyResult:
+                     rtol: float = DEFAULT_RTOL, start: float | None = None, **options: Any) -> PrivacyResult:
     """:func:`~corrnoise.accounting.calibrate.calibrate` through the cache: a stored guarantee for
     exactly this event, target, method and options (module docstring), else the calibration,
-    stored if it is a guarantee. A result read from the cache has ``extras["cached"] = True``."""
+    stored if it is a guarantee. A result read from the cache has ``extras["cached"] = True``.
+    ``start`` (the coarse search's result, :func:`calibrate`) changes the work, not the result: it
+    is not part of the key."""
     directory, key, event, name = _event_key(event_or_strategy, batching, epsilon, delta, method, rtol, options)
     if directory is None:
-        return calibrate(event, epsilon=epsilon, delta=delta, method=method, rtol=rtol, **options)
+        return calibrate(event, epsilon=epsilon, delta=delta, method=method, rtol=rtol, start=start, **options)
     if key is not None:
         hit = lookup(directory, key, event)
         if hit is not None:
             return hit.with_extras(cached=True)
-    result = calibrate(event, epsilon=epsilon, delta=delta, method=name, rtol=rtol, **options)
+    result = calibrate(event, epsilon=epsilon, delta=delta, method=name, rtol=rtol, start=start, **options)
     if key is not None:
         store(directory, key, result, event)
     return result

@@ -130,6 +130,9 @@ class Candidate:
     strategy: Any = field(default=None, repr=False)
     #: the PrivacyResult behind the numbers (a guarantee when ``final``); not in :meth:`to_dict`
     result: Any = field(default=None, repr=False)
+    #: PLD candidates: the screening noise (discretization SCREEN_DISCRETIZATION), where the final
+    #: calibration's own coarse search would end (it starts there instead)
+    coarse_noise: float | None = field(default=None, repr=False)
     #: balls-in-bins only: a lower bound on the noise any verified guarantee needs, and on rms_error
     lower_noise: float | None = None
     lower_rms: float | None = None
@@ -200,7 +203,7 @@ _REPORT: contextvars.ContextVar[Progress] = contextvars.ContextVar("corrnoise_pl
 
 def _calibrate(strategy, batching: str, participation: str | None, epsilon: float, delta: float, screen: bool,
                seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES, progress: Progress | None = None,
-               lower_noise: float | None = None):
+               lower_noise: float | None = None, coarse_start: float | None = None):
     """(PrivacyResult, final?) for ``strategy`` under ``batching``.  Screening: coarse PLD
     discretization where the method takes one, Monte Carlo estimates (:func:`_mc_estimate`);
     final: full analysis (verified Monte Carlo).  Guarantees go through the on-disk cache of
@@ -223,7 +226,10 @@ def _calibrate(strategy, batching: str, participation: str | None, epsilon: floa
             if exc.param != "discretization":
                 raise
             _NO_DISCRETIZATION.add(method)
-    return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta), True
+    # the screening calibration is the final one's coarse search (same discretization and rtol):
+    # starting there skips it and gives the same result
+    start = coarse_start if method not in _NO_DISCRETIZATION else None
+    return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, start=start), True
 
 
 def _mc_final(strategy, bat, epsilon: float, delta: float, progress):
@@ -438,6 +444,8 @@ def _screen(cand: Candidate, setup: PlanSetup, seed: int | None, screen_samples:
         epsilon_errors.append(str(exc))
         return
     _apply(cand, res, final, time.perf_counter() - t0)
+    if not final and not cand.monte_carlo:  # a coarse PLD screening
+        cand.coarse_noise = cand.noise_std
     _check_feasible(cand, setup, epsilon_errors)
 
 
@@ -563,10 +571,11 @@ def _search_monte_carlo(candidates: list[Candidate], setup: PlanSetup, report: P
     """Branch and bound over the Monte Carlo candidates (module docstring, step 3), in place.
 
     A candidate is *open* while feasible, not final and its lower bound is below :func:`_bar`.
-    Open candidates are screened (2^15-sample estimate), the plausible ones (estimate below
-    bar * (1 + SCREEN_NOISE_MARGIN): screening noise) estimated on ESTIMATE_MC_SAMPLES, and the
-    lowest such estimate, if below the bar, is finalized (verified; a failed verification rules it
-    out).  Repeats with the new bar, at most MAX_FINALIZE verifications."""
+    Open candidates are screened (2^15-sample estimate); the plausible ones (screened below
+    bar * (1 + SCREEN_NOISE_MARGIN): screening noise) are estimated on ESTIMATE_MC_SAMPLES, most
+    promising first, and the first estimate below the bar is finalized (verified; a failed
+    verification rules it out) before any other is estimated.  Repeats with the new bar, at most
+    MAX_FINALIZE verifications."""
     mc = sorted((c for c in candidates if c.monte_carlo and c.lower_rms is not None), key=lambda c: c.lower_rms)
     for cand in mc:
         if cand.feasible:
@@ -583,12 +592,19 @@ def _search_monte_carlo(candidates: list[Candidate], setup: PlanSetup, report: P
             _screen(cand, setup, seed, screen_samples, epsilon_errors)
             cand.stage = "screened" if cand.calibrated and not cand.final else cand.stage
         open_ = [c for c in open_ if c.feasible and c.calibrated and not c.final]
-        plausible = sorted((c for c in open_ if c.stage == "screened" and c.rms_error < bar * (1.0 + SCREEN_NOISE_MARGIN)),
-                           key=_rank_key)
-        for j, cand in enumerate(plausible):
-            report(f"Monte Carlo estimates ({ESTIMATE_MC_SAMPLES:.1e} samples): {cand.mechanism}", j, len(plausible))
-            _estimate(cand, setup, seed)
         best = min((c for c in open_ if c.stage == "estimated" and c.rms_error < bar), key=_rank_key, default=None)
+        if best is None:
+            # estimate the plausible ones, most promising first, until one beats the bar: it is
+            # verified before the others are estimated (the bar it sets may rule them out)
+            plausible = sorted((c for c in open_ if c.stage == "screened"
+                                and c.rms_error < bar * (1.0 + SCREEN_NOISE_MARGIN)), key=_rank_key)
+            for j, cand in enumerate(plausible):
+                report(f"Monte Carlo estimates ({ESTIMATE_MC_SAMPLES:.1e} samples): {cand.mechanism}", j,
+                       len(plausible))
+                _estimate(cand, setup, seed)
+                if cand.feasible and cand.rms_error < bar:
+                    best = cand
+                    break
         if best is None:
             break
         finalize_candidate(best, setup)
@@ -658,7 +674,8 @@ def finalize_candidate(cand: Candidate, setup: PlanSetup) -> Candidate:
     t0 = time.perf_counter()
     try:
         res, final = _calibrate(cand.strategy, cand.batching, cand.participation, setup.epsilon, setup.delta,
-                                screen=False, progress=relay if report is not null_progress else None)
+                                screen=False, progress=relay if report is not null_progress else None,
+                                coarse_start=cand.coarse_noise)
     except CorrnoiseError as exc:  # a failed verification
         cand.feasible, cand.note = False, f"final calibration failed: {exc}"
         cand.seconds += time.perf_counter() - t0
