@@ -91,6 +91,7 @@ from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, ESTIMATE_MC_SAM
                         SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES, SCREEN_MC_TAU, SCREEN_NOISE_MARGIN)
 from .designs import DESIGN_FAILURES, _batching_spec, _designs, _errors
 from .setup import PlanSetup, make_setup
+from .store import cached_errors
 
 __all__ = [
     "FAMILIES", "PIPELINES", "PlanSetup", "Candidate", "PlanResult", "plan",
@@ -393,7 +394,7 @@ def _build_candidates(setup: PlanSetup, report: Progress, seed: int | None, scre
         t0 = time.perf_counter()
         try:
             design = build()
-            mean_error, max_error = _errors(design.strategy)
+            mean_error, max_error = cached_errors(design.strategy, _errors)
         except DESIGN_FAILURES as exc:  # one failed design must not sink the plan
             dropped.append({"candidate": label, "reason": _one_line(exc),
                             "seconds": f"{time.perf_counter() - t0:.2f}"})
@@ -476,7 +477,12 @@ def _lower_bound(cand: Candidate, setup: PlanSetup) -> None:
     except CorrnoiseError as exc:
         cand.feasible, cand.note = False, str(exc)
     bins = parse_batching(cand.batching).bins
-    bound = noise_lower_bound(cand.strategy.matrix(), bins, setup.epsilon, setup.delta)
+    C = cand.strategy.matrix()
+    n = C.shape[0]
+    # the Lemma 3.2 modes m_i = sum_j C[:, j b + i] (C >= 0 here: balls-in-bins is offered only to
+    # non-negative C, so |C| = C and the copy of balls_in_bins_modes' np.abs is skipped)
+    modes = C.reshape(n, n // bins, bins).sum(axis=1)
+    bound = noise_lower_bound(C, bins, setup.epsilon, setup.delta, modes=modes)
     cand.lower_noise = float(bound.noise_std)
     cand.lower_rms = cand.lower_noise * cand.mean_error
     cand.seconds += time.perf_counter() - t0

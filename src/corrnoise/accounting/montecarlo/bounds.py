@@ -103,6 +103,33 @@ def hockey_stick_lower_bound(shifts: np.ndarray, count: int, epsilon: float) -> 
     return float(best)
 
 
+def _shrink(gap, lo: float, hi: float, g_lo: float, g_hi: float, rtol: float) -> float:
+    """The bracket [lo, hi] (gap(lo) > 0 >= gap(hi)) shrunk to rtol by regula falsi in log noise
+    with the Illinois safeguard (a clamped step keeps it shrinking); returns its lower end, where
+    the bound still exceeds delta."""
+    a, b = math.log(lo), math.log(hi)
+    ga, gb = g_lo, (g_hi if math.isfinite(g_hi) else -50.0)
+    side = 0
+    for _ in range(60):
+        if b - a <= math.log1p(rtol):
+            break
+        w = b - a
+        m = a + ga * w / (ga - gb) if ga - gb > 0.0 else a + 0.5 * w
+        m = min(max(m, a + 0.05 * w), b - 0.05 * w)
+        gm = gap(math.exp(m))
+        if gm > 0.0:
+            a, ga = m, gm
+            if side == 1:
+                gb /= 2.0
+            side = 1
+        else:
+            b, gb = m, (gm if math.isfinite(gm) else -50.0)
+            if side == -1:
+                ga /= 2.0
+            side = -1
+    return math.exp(a)
+
+
 def noise_lower_bound(C: Any, bins: int, epsilon: float, delta: float, rtol: float = 1e-3,
                       modes: np.ndarray | None = None) -> NoiseLowerBound:
     """The largest noise (to ``rtol``) at which a lower bound (module docstring) on the dominating
@@ -120,26 +147,25 @@ def noise_lower_bound(C: Any, bins: int, epsilon: float, delta: float, rtol: flo
         if top <= 0.0:
             continue
 
-        def excess(nu: float, proj=proj, count=count) -> bool:
-            return hockey_stick_lower_bound(proj / nu, count, epsilon) > delta
+        def gap(nu: float, proj=proj, count=count) -> float:  # log(bound / delta): > 0 where it exceeds delta
+            value = hockey_stick_lower_bound(proj / nu, count, epsilon)
+            return math.log(value / delta) if value > 0.0 else -math.inf
 
         # an upper end: the unamplified Gaussian mechanism with sensitivity max_i ||m_i|| meets
         # (epsilon, delta), so its noise leaves every lower bound <= delta
         hi = float(np.sqrt(np.max(np.sum(M * M, axis=0)))) / gaussian_mu(max(epsilon, 1e-9), delta) * 1.01
+        g_hi = gap(hi)
         lo = hi / 2.0
-        while not excess(lo):
-            hi, lo = lo, lo / 2.0
+        g_lo = gap(lo)
+        while g_lo <= 0.0:
+            hi, g_hi, lo = lo, g_lo, lo / 2.0
             if lo < 1e-12 * hi:
                 lo = 0.0
                 break
+            g_lo = gap(lo)
         if lo <= 0.0:
             continue
-        while hi / lo - 1.0 > rtol:
-            mid = math.sqrt(lo * hi)
-            if excess(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo = hi if g_hi > 0.0 else _shrink(gap, lo, hi, g_lo, g_hi, rtol)  # (a bound > delta at hi: hi)
         if lo > best.noise_std:
             best = NoiseLowerBound(lo, which, epsilon, delta)
     return best
