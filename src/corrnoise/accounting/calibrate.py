@@ -137,10 +137,12 @@ def calibrate(event_or_strategy, batching=None, *, epsilon, delta, method: str =
     Only a formal guarantee sizes noise: an estimate or a lower bound raises
     (:func:`~corrnoise.accounting.base.require_guarantee`).
 
-    ``start``: the result of the coarse search (PLD methods: the calibration at discretization
-    1e-3 with this rtol, e.g. a planner's screening), which is then skipped -- the fine search
-    starts there, as it would after that search, so the result is the same (methods with a
-    native calibration ignore it).
+    ``start``: a noise close to the answer (PLD methods: a calibration at a coarser
+    discretization, e.g. a planner's screening); the coarse search is skipped and the fine search
+    starts there in a narrow bracket, as it does after the coarse search. The result is found
+    the same way (smallest noise meeting the target, to ``rtol``); from the coarse search's own
+    result (discretization 1e-3, this rtol) it is the same number. Methods with a native
+    calibration ignore it.
     """
     target = check_real("epsilon", epsilon, low=0.0, low_open=True)
     event = as_event(event_or_strategy, batching)

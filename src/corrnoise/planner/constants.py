@@ -10,7 +10,10 @@ _PIPELINE_BATCHINGS = {
     "cyclic": ("none",),
     "balls-in-bins": ("none", "balls-in-bins"),
 }
-#: PLD value discretization while screening (pessimistic, so still a guarantee; ~10x faster).
+#: PLD value discretization while screening (pessimistic, so still a guarantee; ~10x faster); the
+#: final calibration starts from it. (1e-2 would be 4-5x faster again, but its pessimism grows with
+#: the compositions: DP-SGD at Fashion-MNIST epsilon 1, 1,172 steps, screened 16% high and lost its
+#: tie with bandmf.)
 SCREEN_DISCRETIZATION = 1e-3
 #: Monte Carlo samples for a screening estimate (seed 000 App. G.2: far fewer than verification).
 SCREEN_MC_SAMPLES = 1 << 15
@@ -25,8 +28,8 @@ SCREEN_MC_TAU = 1.25
 #: (benchmarks/RESULTS.md, "Planner: first hour"), for ~4% of the verification's 10^8 samples.
 FINAL_MC_SAMPLES = 1 << 22
 #: Samples of the estimate that decides which screened Monte Carlo candidate to verify: the
-#: calibration the verification would test, on fewer samples (a wider margin: the estimate is a
-#: percent or two above the final noise), so it predicts the final noise from above.
+#: final calibration on fewer samples, its confidence margin scaled to the final's (core.
+#: _mc_candidate_estimate), so it predicts the verified noise to about a percent either way.
 ESTIMATE_MC_SAMPLES = 1 << 20
 BANDS = (2, 4, 8, 16, 32, 64)
 BUFFERS = (1, 2, 4)

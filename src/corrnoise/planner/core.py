@@ -131,8 +131,8 @@ class Candidate:
     strategy: Any = field(default=None, repr=False)
     #: the PrivacyResult behind the numbers (a guarantee when ``final``); not in :meth:`to_dict`
     result: Any = field(default=None, repr=False)
-    #: PLD candidates: the screening noise (discretization SCREEN_DISCRETIZATION), where the final
-    #: calibration's own coarse search would end (it starts there instead)
+    #: PLD candidates: the screening noise (discretization SCREEN_DISCRETIZATION), about where the
+    #: final calibration's own coarse search would end (it starts there instead)
     coarse_noise: float | None = field(default=None, repr=False)
     #: balls-in-bins only: a lower bound on the noise any verified guarantee needs, and on rms_error
     lower_noise: float | None = None
@@ -227,8 +227,8 @@ def _calibrate(strategy, batching: str, participation: str | None, epsilon: floa
             if exc.param != "discretization":
                 raise
             _NO_DISCRETIZATION.add(method)
-    # the screening calibration is the final one's coarse search (same discretization and rtol):
-    # starting there skips it and gives the same result
+    # the screening calibration (a coarser discretization) is where the final one's coarse search
+    # would end up, to a fraction of a percent: the fine search starts there
     start = coarse_start if method not in _NO_DISCRETIZATION else None
     return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, start=start), True
 
@@ -250,17 +250,24 @@ def _mc_start(lower_noise: float | None) -> tuple[float, float] | None:
 
 def _mc_candidate_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None,
                            lower_noise: float | None = None):
-    """An estimate of the noise the verified calibration of :func:`_mc_final` will release:
-    Algorithm 2 aimed at delta / tau with the verification margin, as that calibration does
-    (:func:`corrnoise.accounting.montecarlo.verification_calibration`), on ESTIMATE_MC_SAMPLES
-    samples -- fewer than FINAL_MC_SAMPLES, so its margin is wider and the estimate sits a percent
-    or two *above* the final noise: a candidate it puts below the bar will be there when verified.
-    ``kind="estimate"``: it decides what to verify, never what to release."""
-    from ..accounting.montecarlo import reduce_balls_in_bins, verification_calibration
+    """An estimate of the noise the verified calibration of :func:`_mc_final` will release.
+
+    That calibration (Algorithm 2 on FINAL_MC_SAMPLES samples m_f, aimed at delta / tau) keeps an
+    upper-confidence margin z_f se_f below the target, z_f = verification_margin_z (the
+    verification's). Here the same calibration runs on ESTIMATE_MC_SAMPLES samples m_e, whose
+    standard error is se_f sqrt(m_f / m_e); the margin z_e = z_f sqrt(m_e / m_f) makes z_e se_e =
+    z_f se_f, so the estimate aims where the final calibration will, without the bias a full-size
+    margin on the smaller sample would add (2-3% noise at delta 1e-5). ``kind="estimate"``: it
+    decides what to verify, never what to release."""
+    from ..accounting.montecarlo import calibrate_noise_std, reduce_balls_in_bins, verification_samples
+    from ..accounting.montecarlo.inputs import DEFAULT_MARGIN_Z, DEFAULT_TAU
+    from ..accounting.montecarlo.release import verification_margin_z
 
     red = reduce_balls_in_bins(strategy.matrix(), bat.bins)
-    cal = verification_calibration(red, bat.bins, epsilon, delta, ESTIMATE_MC_SAMPLES, seed,
-                                   start=_mc_start(lower_noise))
+    z_final = verification_margin_z(DEFAULT_MARGIN_Z, FINAL_MC_SAMPLES, verification_samples(delta, DEFAULT_TAU))
+    z = z_final * math.sqrt(ESTIMATE_MC_SAMPLES / FINAL_MC_SAMPLES)
+    cal = calibrate_noise_std(red, bat.bins, epsilon, delta / DEFAULT_TAU, ESTIMATE_MC_SAMPLES, seed, z,
+                              _reduced=red, start=_mc_start(lower_noise))
     return _estimate_result(cal, red, epsilon, delta)
 
 
