@@ -45,8 +45,10 @@ def measure(b: int, samples: int, workers: int) -> dict:
     red = mc.reduce_balls_in_bins(strategy.matrix(), b)
     samples = -(-samples // b) * b
     sizes = _chunks(b, samples)
-    # the noise at which this C is (4, 1e-5)-DP (a short calibration), where the loss screen works
-    nu = mc.verification_calibration(red, b, 4.0, 1e-5, 1 << 18, 3).noise_std
+    # about the noise at which this C is (4, 1e-5)-DP (a short calibration at delta / tau), where
+    # the verification runs (calibrate_noise_std: also in the code before the planner work, so
+    # this script times either version)
+    nu = mc.calibrate_noise_std(red, b, 4.0, 8e-6, samples=1 << 18, seed=3, _reduced=red).noise_std
     out = {"bins": b, "samples": samples, "chunks": len(sizes), "noise_std": nu, "strategy": strategy.label}
     clock = time.process_time
     with threadpool_limits(1):

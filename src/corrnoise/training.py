@@ -88,7 +88,8 @@ def train(
     path for the planner's picture (error vs epsilon, the chosen C) when the planner chose.
     The result's ``history`` is the test accuracy after every pass over the data. ``choice``: a
     :func:`choose_mechanism` result to train instead of choosing again (benchmarks train several
-    seeds on one plan; ``mechanism`` is then only its label).
+    seeds on one plan; ``mechanism`` is then only its label). ``progress(label, done, total)``
+    hears planning and training; None: the planner's own progress lines on stderr, False: silence.
     """
     import torch
     from torch.utils.data import DataLoader
@@ -176,7 +177,7 @@ def train(
                 loss_sum += float(loss.detach()) * len(y)
                 loss_count += len(y)
             done += 1
-            if progress is not None:
+            if progress:
                 progress("training", opt.steps_taken, opt.steps)
         model.eval()
         with torch.no_grad():
