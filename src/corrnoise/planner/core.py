@@ -471,8 +471,6 @@ def _lower_bound(cand: Candidate, setup: PlanSetup) -> None:
     """A Monte Carlo candidate's deterministic lower bounds on noise and rms_error
     (:func:`corrnoise.accounting.montecarlo.noise_lower_bound`), its memory feasibility, and
     whether delta can be verified at all (Thm 2.2's sample count)."""
-    from ..accounting import parse_batching
-    from ..accounting.montecarlo import noise_lower_bound
     from ..accounting.montecarlo.release import check_verification_cost
 
     t0 = time.perf_counter()
@@ -483,16 +481,23 @@ def _lower_bound(cand: Candidate, setup: PlanSetup) -> None:
         check_verification_cost(setup.delta)
     except CorrnoiseError as exc:
         cand.feasible, cand.note = False, str(exc)
+    cand.lower_noise = _noise_lower_bound(cand, setup.epsilon, setup.delta)
+    cand.lower_rms = cand.lower_noise * cand.mean_error
+    cand.seconds += time.perf_counter() - t0
+
+
+def _noise_lower_bound(cand: Candidate, epsilon: float, delta: float) -> float:
+    """:func:`corrnoise.accounting.montecarlo.noise_lower_bound` of a balls-in-bins candidate."""
+    from ..accounting import parse_batching
+    from ..accounting.montecarlo import noise_lower_bound
+
     bins = parse_batching(cand.batching).bins
     C = cand.strategy.matrix()
     n = C.shape[0]
     # the Lemma 3.2 modes m_i = sum_j C[:, j b + i] (C >= 0 here: balls-in-bins is offered only to
     # non-negative C, so |C| = C and the copy of balls_in_bins_modes' np.abs is skipped)
     modes = C.reshape(n, n // bins, bins).sum(axis=1)
-    bound = noise_lower_bound(C, bins, setup.epsilon, setup.delta, modes=modes)
-    cand.lower_noise = float(bound.noise_std)
-    cand.lower_rms = cand.lower_noise * cand.mean_error
-    cand.seconds += time.perf_counter() - t0
+    return float(noise_lower_bound(C, bins, epsilon, delta, modes=modes).noise_std)
 
 
 def _rank_key(c: Candidate):
@@ -724,8 +729,9 @@ def error_curve(cand: Candidate, setup: PlanSetup, epsilons: Iterable[float], se
     out = []
     for eps in epsilons:
         try:
+            lower = _noise_lower_bound(cand, float(eps), setup.delta) if cand.monte_carlo else None
             res, _ = _calibrate(cand.strategy, cand.batching, cand.participation, float(eps), setup.delta, screen=True,
-                                seed=seed)
+                                seed=seed, lower_noise=lower)
             out.append((float(eps), float(res.noise_std) * cand.mean_error))
         except CorrnoiseError:
             out.append((float(eps), None))
