@@ -388,3 +388,16 @@ def _quick_line_progress(init):
         init(self, *args, **kwargs)
         self.after, self.gap = 0.0, 0.0
     return quick
+
+
+def test_error_curve_of_a_monte_carlo_candidate_falls_with_epsilon():
+    from corrnoise.planner import error_curve
+
+    result = plan(steps=16, epochs=2, epsilon=2.0, delta=1e-3, pipeline="balls-in-bins", only="dpsgd",
+                  progress=False, **FAST)
+    rec = result.recommended
+    assert rec.monte_carlo
+    curve = error_curve(rec, result.setup, [1.0, 2.0, 4.0], seed=3)
+    values = [r for _, r in curve]
+    assert all(v is not None for v in values) and values[0] > values[1] > values[2]
+    assert values[1] == pytest.approx(rec.rms_error, rel=0.15)  # a screening estimate near the verified pick
