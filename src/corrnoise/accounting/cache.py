@@ -11,9 +11,9 @@ event it was proved for:
 * the target (epsilon, delta) (their exact float values), the accounting method that proved it,
   the calibration tolerance and every option that changes the number (``discretization``,
   ``samples`` ...);
-* :data:`ACCOUNTANT_VERSION` together with a digest of the accounting source code and the
-  versions of the libraries it calls (dp_accounting, numpy, scipy): any change to how a guarantee
-  is computed misses every older entry, even if nobody bumps the constant.
+* :data:`ACCOUNTANT_VERSION` together with a digest of corrnoise's source code and the versions
+  of the libraries it calls (dp_accounting, numpy, scipy): any change to how a guarantee (or the
+  C behind a fingerprint) is computed misses every older entry, even if nobody bumps the constant.
 
 Estimates, lower bounds, calibrations with an explicit ``seed`` / ``verify_seed`` (reproducible
 experiments) and anything that is not a guarantee are never stored.  An entry is trusted only if
@@ -76,18 +76,19 @@ def cache_dir() -> Path | None:
 
 
 def accountant_version() -> str:
-    """:data:`ACCOUNTANT_VERSION`, corrnoise's version, a SHA-256 of the accounting package's
-    source files and of the strategy fingerprint code, and the versions of dp_accounting, numpy
-    and scipy: two processes share a cached guarantee only if they would compute it identically."""
+    """:data:`ACCOUNTANT_VERSION`, corrnoise's version, a SHA-256 of every source file of the
+    package (the accounting, but also the code that turns a fingerprinted kind and parameters into
+    the matrix C that is accounted, and everything they use), and the versions of dp_accounting,
+    numpy and scipy: two processes share a cached guarantee only if they would compute it
+    identically; any edit to corrnoise invalidates every entry."""
     global _VERSION
     if _VERSION is None:
         from .. import __version__
 
         h = hashlib.sha256()
-        here = Path(__file__).resolve().parent
-        files = sorted(here.rglob("*.py")) + [here.parent / "strategies" / "io.py"]
-        for path in files:
-            h.update(str(path.relative_to(here.parent)).encode())
+        root = Path(__file__).resolve().parent.parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
             try:
                 h.update(path.read_bytes())
             except OSError:

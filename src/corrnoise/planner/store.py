@@ -6,8 +6,8 @@ What is stored is a deterministic optimizer output -- a strategy C -- never a pr
 cached C only ever enters the plan as a mechanism whose noise is calibrated for *that* C (every
 guarantee is keyed by the C's fingerprint, :mod:`corrnoise.accounting.cache`), so even a wrong C
 could cost utility but not privacy. An entry is used only if its content digest matches, its
-stored key equals the key asked for (optimizer, arguments, a digest of the optimization /
-strategy / linear-algebra source and the numpy and scipy versions) and the strategy rebuilt from
+stored key equals the key asked for (optimizer, arguments, a digest of corrnoise's source and the
+numpy and scipy versions) and the strategy rebuilt from
 it has the fingerprint recorded with it; otherwise the optimizer runs again and the entry is
 rewritten. Error summaries (rms and max error per unit noise, deterministic functions of C) are
 keyed by the C's fingerprint and the same code digest. Same directory and switch as the guarantee cache (``$CORRNOISE_CACHE``, ``off``),
@@ -32,7 +32,8 @@ _VERSION: str | None = None
 
 
 def _code_version() -> str:
-    """A digest of the code an optimized strategy depends on, and the numpy / scipy versions."""
+    """A digest of corrnoise's source (what an optimized strategy depends on, and more), and the
+    numpy / scipy versions."""
     global _VERSION
     if _VERSION is None:
         from importlib.metadata import version
@@ -40,12 +41,8 @@ def _code_version() -> str:
         from .. import __version__
 
         root = Path(__file__).resolve().parent.parent
-        files = []
-        for sub in ("optimize", "strategies", "linalg"):
-            files += sorted((root / sub).rglob("*.py"))
-        files += [root / name for name in ("workloads.py", "participation.py", "sensitivity.py", "losses.py")]
         h = hashlib.sha256()
-        for path in files:
+        for path in sorted(root.rglob("*.py")):  # every source file: any edit re-optimizes
             h.update(str(path.relative_to(root)).encode())
             try:
                 h.update(path.read_bytes())
