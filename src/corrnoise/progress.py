@@ -112,7 +112,8 @@ class LineProgress:
         if total > 1:
             text += f" {done}/{total}"
             elapsed = now - self._phase_t0
-            if 0 < done < total and elapsed > 0.0:
+            if 0 < done < total and elapsed >= 1.0 and (done >= 5 or done >= 0.02 * total):
+                # (not from the first item or two: their time includes starting up)
                 text += f", ~{format_seconds(elapsed * (total - done) / done)} left"
         return text
 
