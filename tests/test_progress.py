@@ -56,3 +56,15 @@ def test_a_closed_stream_does_not_stop_the_work():
     out.close()
     p = LineProgress(stream=out, after=0.0, gap=0.0)
     p("phase", 0, 2)  # no exception
+
+
+def test_a_phase_that_encloses_others_reports_its_own_duration():
+    clock, out = Clock(), io.StringIO()
+    p = LineProgress("x", stream=out, after=0.0, every=60.0, gap=0.0, clock=clock)
+    p("verifying C (~40 s)", 0, 1)
+    clock.now += 3.0
+    p("verifying C (~40 s), verifying chunks", 0, 10)
+    clock.now += 30.0
+    p("verifying C (~40 s), verifying chunks", 10, 10)
+    p("verifying C (~40 s)", 1, 1)
+    assert out.getvalue().splitlines()[-1] == "x [33 s] verifying C (~40 s): done in 33 s"

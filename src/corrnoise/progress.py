@@ -83,8 +83,7 @@ class LineProgress:
         self.clock = clock
         self._t0: float | None = None
         self._last = -float("inf")
-        self._phase: str | None = None
-        self._phase_t0 = 0.0
+        self._started: dict[str, float] = {}  # phase -> when it was first reported (until it ends)
         self._shown: set[str] = set()
 
     def __call__(self, label: str, done: int, total: int) -> None:
@@ -92,26 +91,25 @@ class LineProgress:
         if self._t0 is None:
             self._t0 = now
         phase = label.split(": ", 1)[0]
-        if phase != self._phase:
-            self._phase, self._phase_t0 = phase, now
-        if now - self._t0 < self.after:
-            return
+        started = self._started.setdefault(phase, now)
         if total > 0 and done >= total:
+            del self._started[phase]
             if phase in self._shown:
                 self._shown.discard(phase)
-                self._write(now, f"{phase}: done in {format_seconds(now - self._phase_t0)}")
-                self._phase = None
+                self._write(now, f"{phase}: done in {format_seconds(now - started)}")
+            return
+        if now - self._t0 < self.after:
             return
         new = phase not in self._shown
         if (new and now - self._last >= self.gap) or now - self._last >= self.every:
             self._shown.add(phase)
-            self._write(now, self._line(label, done, total, now))
+            self._write(now, self._line(label, done, total, now, started))
 
-    def _line(self, label: str, done: int, total: int, now: float) -> str:
+    def _line(self, label: str, done: int, total: int, now: float, started: float) -> str:
         text = label
         if total > 1:
             text += f" {done}/{total}"
-            elapsed = now - self._phase_t0
+            elapsed = now - started
             if 0 < done < total and elapsed >= 1.0 and (done >= 5 or done >= 0.02 * total):
                 # (not from the first item or two: their time includes starting up)
                 text += f", ~{format_seconds(elapsed * (total - done) / done)} left"
