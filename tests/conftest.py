@@ -12,6 +12,13 @@ settings.register_profile("ci", deadline=None, max_examples=40, derandomize=True
 settings.load_profile("ci")
 
 
+@pytest.fixture(autouse=True)
+def _guarantee_cache_off(monkeypatch):
+    """No test reads or writes the user's on-disk cache of verified guarantees
+    (corrnoise.accounting.cache); the cache's own tests point CORRNOISE_CACHE at a tmp dir."""
+    monkeypatch.setenv("CORRNOISE_CACHE", "off")
+
+
 def random_strategies(n: int, seed: int = 0):
     """One instance of every kind for n steps (deterministic for a seed)."""
     from corrnoise.strategies import (

@@ -605,3 +605,17 @@ def test_bandmf_accounts_the_actual_visits_of_unequal_blocks():
     coarse = account(strategy, "block-cyclic:5:0.1", noise_std=2.0, delta=1e-5, discretization=1e-3)
     want = _independent_block_cyclic_epsilon(strategy.matrix(), 5, 0.1, 2.0, 1e-5)
     assert coarse.epsilon == pytest.approx(want, rel=1e-6)
+
+
+def test_calibrate_from_the_coarse_result_skips_the_coarse_search_and_agrees():
+    """calibrate(start=...) with the coarse (discretization 1e-3) calibration gives the same
+    guarantee with fewer evaluations: the planner's screening is that coarse search."""
+    from corrnoise.accounting import calibrate
+    from corrnoise.strategies import parse_strategy
+
+    C, bat = parse_strategy("bsr:4", 200), "block-cyclic:4:0.1"
+    coarse = calibrate(C, bat, epsilon=2.0, delta=1e-5, discretization=1e-3)
+    full = calibrate(C, bat, epsilon=2.0, delta=1e-5)
+    hinted = calibrate(C, bat, epsilon=2.0, delta=1e-5, start=coarse.noise_std)
+    assert hinted.noise_std == full.noise_std and hinted.epsilon == full.epsilon <= 2.0
+    assert hinted.extras["calibration_evaluations"] < full.extras["calibration_evaluations"]

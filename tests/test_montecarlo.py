@@ -564,3 +564,98 @@ def test_log_sum_exp_fast_path_falls_back_on_underflow():
     assert got[0] == pytest.approx(-800.0 + math.log(2.0))
     d = np.array([-900.0, 0.0])
     assert np.allclose(mc._lse_shift(V, d), logsumexp(V + d, axis=1), rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss screen (sampling.screen_rows) and the noise lower bound (bounds.py)
+# ----------------------------------------------------------------------------------------------
+SCREEN_CASES = [("identity n40 b8", np.eye(40), 8), ("correlated n6 b3", _correlated(6), 3),
+                ("bsr:16 n200 b20", parse_strategy("bsr:16", 200).matrix(), 20)]
+
+
+@pytest.mark.parametrize("name,C,bins", SCREEN_CASES, ids=[c[0] for c in SCREEN_CASES])
+def test_screen_drops_only_rows_whose_loss_is_below_epsilon(name, C, bins):
+    """Every row screen_rows drops has Y <= eps at every noise in the interval, checked against
+    the full losses (all b exponentials); at a calibrated-like noise it drops most rows."""
+    from corrnoise.accounting.montecarlo.sampling import screen_rows
+
+    red = mc.reduce_balls_in_bins(C, bins)
+    u, sums = red.draw_with_sums(seed=5, stream=0, chunk=0, size=bins * 4000)
+    np.testing.assert_allclose(sums, u.sum(axis=1), rtol=1e-9, atol=1e-9)
+    for eps in (0.3, 2.0):
+        nu_mid = mc.calibrate_noise_std(red, bins, eps, 1e-3, samples=bins * 2000, seed=2, _reduced=red).noise_std
+        lo, hi = 0.8 * nu_mid, 1.25 * nu_mid
+        ra, rr = screen_rows(red, u, 1.0 / hi, 1.0 / lo, eps, sums)
+        ra0, rr0 = screen_rows(red, u, 1.0 / hi, 1.0 / lo, eps)  # without the row sums: a looser remove bound
+        assert set(rr) <= set(rr0) and np.array_equal(ra, ra0)
+        for nu in (lo, nu_mid, hi):
+            ya, yr = mc._Losses(red, nu).both(u)
+            dropped_a = np.setdiff1d(np.arange(u.shape[0]), ra)
+            dropped_r = np.setdiff1d(np.arange(u.shape[0]), rr)
+            assert np.all(ya[dropped_a] <= eps) and np.all(yr[dropped_r] <= eps)
+        point_a, point_r = mc._Losses(red, nu_mid).screen(u, eps, sums)
+        assert set(point_a) <= set(ra) and set(point_r) <= set(rr)  # a point is inside the interval
+    if name.startswith("identity"):  # near-orthogonal modes at eps 2: it prunes most rows
+        assert len(point_a) < 0.3 * u.shape[0] and len(point_r) < 0.1 * u.shape[0]
+
+
+def test_screened_pass_equals_the_full_loss_evaluation():
+    """The verification's moments with the screen equal those of all rows' losses (same chunks)."""
+    from corrnoise.accounting.montecarlo.estimates import _delta_moments
+    from corrnoise.accounting.montecarlo.sampling import _map_chunks
+
+    C, bins, nu, eps = parse_strategy("bsr:4", 60).matrix(), 6, 1.3, 1.0
+    red = mc.reduce_balls_in_bins(C, bins)
+    samples = bins * 20_000
+    mom = _delta_moments(red, nu, eps, samples, 9, 1, workers=2)
+    losses = mc._Losses(red, nu)
+
+    def full(u):
+        ya, yr = losses.both(u)
+        fa, fr = mc._hockey(ya, eps).reshape(-1, bins), mc._hockey(yr, eps)
+        return fa.sum(0), (fa * fa).sum(0), fr.sum(), (fr * fr).sum()
+
+    parts = _map_chunks(red, 9, 1, samples, full, workers=1)
+    assert mom.add1.sum() > 0 and mom.rem1 > 0
+    np.testing.assert_allclose(mom.add1, sum(p[0] for p in parts), rtol=1e-12)
+    np.testing.assert_allclose(mom.add2, sum(p[1] for p in parts), rtol=1e-12)
+    assert mom.rem1 == pytest.approx(sum(p[2] for p in parts), rel=1e-12)
+    assert mom.rem2 == pytest.approx(sum(p[3] for p in parts), rel=1e-12)
+
+
+@pytest.mark.parametrize("b", [1, 3, 8, 30])
+def test_row_max_is_the_row_maximum(b):
+    from corrnoise.accounting.montecarlo.sampling import _row_max
+
+    u = np.random.default_rng(b).standard_normal((257, b))
+    assert np.array_equal(_row_max(u), u.max(axis=1))
+
+
+@pytest.mark.parametrize("name,C,bins,nu,eps", CASES, ids=[c[0] for c in CASES])
+def test_hockey_stick_lower_bound_is_below_the_integrated_divergence(name, C, bins, nu, eps):
+    """Both direction families bound H from below, for both adjacencies at once, against the
+    grid integration (an independent computation)."""
+    from corrnoise.accounting.montecarlo.bounds import _directions, hockey_stick_lower_bound
+
+    exact = max(_grid_delta(C, bins, nu, eps, "add"), _grid_delta(C, bins, nu, eps, "remove"))
+    M = _modes_by_hand(C, bins)
+    values = [hockey_stick_lower_bound(proj / nu, count, eps) for proj, count in _directions(M).values()]
+    assert max(values) <= exact * (1 + 1e-4) + 1e-7
+    assert max(values) >= 0.3 * exact  # and it is not vacuous
+
+
+def test_noise_lower_bound_is_exact_for_one_bin_and_below_the_monte_carlo_noise():
+    from corrnoise.accounting import calibrate, parse_batching
+
+    C = parse_strategy("bsr:4", 40)
+    exact = calibrate(C, parse_batching("none", "cyclic:40:1"), epsilon=2.0, delta=1e-5).noise_std
+    lb = mc.noise_lower_bound(C.matrix(), 1, 2.0, 1e-5).noise_std
+    assert 0.998 * exact <= lb <= exact  # one bin: the Gaussian mechanism, up to rtol
+    for M, bins in ((np.eye(40), 8), (parse_strategy("bsr:8", 80).matrix(), 10)):
+        bound = mc.noise_lower_bound(M, bins, 2.0, 1e-3)
+        # the MC estimate of delta at the bound's noise is above delta (4 standard errors)...
+        est = mc.estimate_delta(M, bins, bound.noise_std, 2.0, samples=bins * 40_000, seed=4)
+        assert max(est.delta_add - 4 * est.std_error_add, est.delta_remove - 4 * est.std_error_remove) > 1e-3
+        # ... and the bound is tight enough to rule candidates out: within 8% of the estimate
+        nu = mc.calibrate_noise_std(M, bins, 2.0, 1e-3, samples=bins * 40_000, seed=5).noise_std
+        assert 0.92 * nu < bound.noise_std < nu

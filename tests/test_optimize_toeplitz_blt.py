@@ -105,6 +105,27 @@ def test_optimized_banded_toeplitz_never_worse_than_banded_sqrt(participation, b
         assert s.is_nonnegative_monotone()
 
 
+def test_full_toeplitz_cyclic_line_search_through_zero_is_backtracked():
+    """Regression (the planner's 2,048 x 256 x 10 epochs setup: n = 80, b = 8, bands = n): with
+    bands > b the decrements delta >= 0 are optimized under L-BFGS-B bounds, and the scale-invariant
+    objective let a projected step land on delta = 0, i.e. c = 0 -- a singular C that scipy's
+    lfilter rejected ("a[0] == 0") instead of the line search backtracking. The optimizer must
+    return a valid C (c_0 = 1, finite, Eq. 3.25 class) that beats its A^{1/2} start point."""
+    n, part = 80, "cyclic:10:8"
+    s = T.optimize_banded_toeplitz(n, n, participation=part)
+    c = np.asarray(s.coefficients)
+    assert c[0] == 1.0 and np.all(np.isfinite(c))
+    assert s.is_nonnegative_monotone()
+    assert loss_report(s, part).rms_loss < loss_report(BandedSqrt(n, n), part).rms_loss
+
+
+def test_toeplitz_error_of_a_singular_c_is_infeasible_not_an_exception():
+    """c_0 = 0 makes T_c singular: the objective reports it as infeasible (no filter call)."""
+    spec = T._error_spec(8, "rms", prefix(), False)
+    err, grad = T.toeplitz_error_and_grad(np.zeros(8), spec)
+    assert err == math.inf and np.all(grad == 0.0)
+
+
 def test_banded_toeplitz_max_objective_momentum_and_column_normalization():
     n, wl = 200, momentum(0.9)
     s = T.optimize_banded_toeplitz(n, 8, objective="max", workload=wl)
@@ -226,3 +247,17 @@ def test_blt_bad_input(kwargs, param):
     with pytest.raises(CorrnoiseError) as err:
         B.optimize_blt(**kwargs)
     assert err.value.param == param and "\n" not in str(err.value)
+
+
+def test_blt_each_is_optimize_blt_per_number_of_buffers():
+    """One run of the d = 1, 2, ... path gives each d's optimize_blt result (the planner builds
+    blt:1, blt:2, blt:4 from it instead of three runs that each recompute the smaller d)."""
+    each = B.optimize_blt_each(60, (4, 1, 2), participation="cyclic:5:12")
+    assert sorted(each) == [1, 2, 4]
+    for d, strat in each.items():
+        alone = B.optimize_blt(60, buffers=d, participation="cyclic:5:12")
+        np.testing.assert_array_equal(strat.alpha, alone.alpha)
+        np.testing.assert_array_equal(strat.lam, alone.lam)
+    with pytest.raises(CorrnoiseError) as err:
+        B.optimize_blt_each(60, ())
+    assert err.value.param == "buffers"

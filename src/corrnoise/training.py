@@ -97,6 +97,8 @@ def train(
     :class:`~corrnoise.runplan.RunPlan` to train exactly; ``choice``: a :func:`choose_mechanism`
     / :func:`candidate_choice` result to train instead of choosing again. Hyperparameters left
     None take the dataset's defaults. Seeds, ``plan_plot`` and the result: the module docstring.
+    ``progress(label, done, total)`` hears planning and training; None: the planner's own
+    progress lines on stderr, False: silence.
     """
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -316,7 +318,7 @@ def _loop(model, opt, loader, xte, yte, dev, progress) -> tuple[list, float]:
             if len(y):
                 loss_sum += float(loss.detach()) * len(y)
                 loss_count += len(y)
-            if progress is not None:
+            if progress:
                 progress("training", opt.steps_taken, opt.steps)
         model.eval()
         with torch.no_grad():

@@ -11,10 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import signal
 
 from .errors import CorrnoiseError, check_int, check_real
 from .linalg.toeplitz import toeplitz_matrix
+
+
+def _signal():
+    """scipy.signal, imported on first use: the import takes ~1 s (scipy's array-API backends pull in
+    scipy.stats), which every ``import corrnoise`` paid before."""
+    from scipy import signal
+
+    return signal
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class Workload:
         n = check_int("n", n, minimum=1)
         impulse = np.zeros(n)
         impulse[0] = 1.0
-        return signal.lfilter([1.0], list(self.inverse_coefficients), impulse)
+        return _signal().lfilter([1.0], list(self.inverse_coefficients), impulse)
 
     def matrix(self, n: int) -> np.ndarray:
         """The n x n matrix A (tutorial Eq. 3.3 / 3.6)."""
@@ -45,7 +52,7 @@ class Workload:
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         """A @ x along axis 0 without materializing A (an IIR filter with A^{-1}'s taps)."""
-        return signal.lfilter([1.0], list(self.inverse_coefficients), np.asarray(x, dtype=np.float64), axis=0)
+        return _signal().lfilter([1.0], list(self.inverse_coefficients), np.asarray(x, dtype=np.float64), axis=0)
 
 
 def prefix() -> Workload:

@@ -127,7 +127,7 @@ def calibrate_noise(
 
 
 def calibrate(event_or_strategy, batching=None, *, epsilon, delta, method: str = "auto", rtol: float = DEFAULT_RTOL,
-              **options: Any) -> PrivacyResult:
+              start: float | None = None, **options: Any) -> PrivacyResult:
     """The smallest noise_std for which a MechanismEvent without noise (or ``strategy`` under
     ``batching``) is (epsilon, delta)-DP; the event passes the gate (:func:`.gate.prepare`) first.
 
@@ -136,6 +136,13 @@ def calibrate(event_or_strategy, batching=None, *, epsilon, delta, method: str =
     is <= the target) with ``target_epsilon`` and ``calibration_evaluations`` in ``extras``.
     Only a formal guarantee sizes noise: an estimate or a lower bound raises
     (:func:`~corrnoise.accounting.base.require_guarantee`).
+
+    ``start``: a noise close to the answer (PLD methods: a calibration at a coarser
+    discretization, e.g. a planner's screening); the coarse search is skipped and the fine search
+    starts there in a narrow bracket, as it does after the coarse search. The result is found
+    the same way (smallest noise meeting the target, to ``rtol``); from the coarse search's own
+    result (discretization 1e-3, this rtol) it is the same number. Methods with a native
+    calibration ignore it.
     """
     target = check_real("epsilon", epsilon, low=0.0, low_open=True)
     event = as_event(event_or_strategy, batching)
@@ -157,16 +164,23 @@ def calibrate(event_or_strategy, batching=None, *, epsilon, delta, method: str =
         cache[noise_std] = spec.account(strategy, batching, noise_std, delta, **opts)
         return cache[noise_std].epsilon
 
-    start, factor, evaluations = column_norm(strategy), 4.0, 0
-    floor = MIN_NOISE_MULTIPLIER * start
-    if "discretization" not in opts and method_accepts(spec, "discretization"):
-        # PLD methods: search with a 10x coarser (still pessimistic) discretization, ~10x cheaper,
-        # then finish at the requested one from that point in a narrow bracket.
-        coarse = dict(opts, discretization=_COARSE_DISCRETIZATION)
-        start, _, evaluations = calibrate_noise(
-            lambda nu: spec.account(strategy, batching, nu, delta, **coarse).epsilon, target, start, rtol=rtol,
-            floor=floor)
-        factor = 1.0 + 4.0 * rtol
+    col, factor, evaluations = column_norm(strategy), 4.0, 0
+    floor = MIN_NOISE_MULTIPLIER * col
+    coarse_search = "discretization" not in opts and method_accepts(spec, "discretization")
+    if start is not None:  # the coarse search's result, given
+        start = check_real("start", start, low=0.0, low_open=True)
+        if coarse_search:
+            factor = 1.0 + 4.0 * rtol
+    else:
+        start = col
+        if coarse_search:
+            # PLD methods: search with a 10x coarser (still pessimistic) discretization, ~10x cheaper,
+            # then finish at the requested one from that point in a narrow bracket.
+            coarse = dict(opts, discretization=_COARSE_DISCRETIZATION)
+            start, _, evaluations = calibrate_noise(
+                lambda nu: spec.account(strategy, batching, nu, delta, **coarse).epsilon, target, start, rtol=rtol,
+                floor=floor)
+            factor = 1.0 + 4.0 * rtol
     noise_std, _, fine = calibrate_noise(epsilon_of, target, start=start, rtol=rtol, factor=factor, floor=floor)
     require_guarantee(cache[noise_std], "calibrate")
     result = cache[noise_std].with_extras(target_epsilon=target, calibration_evaluations=evaluations + fine,

@@ -8,7 +8,8 @@
 Prints every candidate (screening numbers, ``kind`` says guarantee or estimate) and the
 recommended one, re-calibrated with the full formal guarantee and saved as a mechanism file
 (``--mechanism-file``, default ``plan-recommended.json``; with ``--out DIR`` every candidate's
-file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on stdout, no progress.
+file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on stdout, no progress. Otherwise progress goes to
+stderr: a bar on a terminal, else a line per phase once planning has taken a second.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
         from ..strategies.io import check_mechanism_path
 
         check_mechanism_path(mechanism_file, "mechanism_file")
-    show = not as_json and sys.stdout.isatty()
-    if show:
+    if as_json:  # exactly one JSON object, nothing else
+        result = plan(setup, out_dir=out_dir, mechanism_file=mechanism_file, progress=False)
+    elif sys.stdout.isatty():
         result = _with_progress(setup, out_dir, mechanism_file)
-    else:
+    else:  # progress lines on stderr (the planner's default), also when it is not a terminal
         result = plan(setup, out_dir=out_dir, mechanism_file=mechanism_file)
     data = result.to_dict()
     if plan_out is not None:
@@ -85,12 +87,12 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
 
 
 def _with_progress(setup, out_dir, mechanism_file):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from ..planner import plan
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), transient=True) as bar:
+                  TimeElapsedColumn(), TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task("planning", total=1)
 
         def progress(label, done, total):
@@ -118,8 +120,12 @@ def _table(result, data) -> None:
     rec = result.recommended
     for c in result.candidates:
         batching = c.batching if c.batching != "none" else f"none ({c.participation})"
-        row = [c.mechanism, batching, c.accounting or "-", (c.kind or "-") + (" (final)" if c.final else ""),
-               _fmt(c.noise_std), _fmt(c.noise_multiplier), _fmt(c.rms_error), _fmt(c.max_error),
+        kind = (c.kind or "-") + (" (final)" if c.final else "")
+        rms = _fmt(c.rms_error)
+        if not c.calibrated and c.lower_rms is not None:  # ruled out by its lower bound, never sampled
+            kind, rms = "not sampled", f">= {c.lower_rms:.4g}"
+        row = [c.mechanism, batching, c.accounting or "-", kind,
+               _fmt(c.noise_std), _fmt(c.noise_multiplier), rms, _fmt(c.max_error),
                str(c.memory_vectors), _fmt(c.noise_cost, ".3g"), "yes" if c.feasible else "no", f"{c.seconds:.1f}"]
         table.add_row(*row, style="bold green" if c is rec else None)
     console = Console() if sys.stdout.isatty() else Console(width=170)
@@ -127,6 +133,8 @@ def _table(result, data) -> None:
     console.print(f"recommended: [bold]{rec.mechanism}[/bold] with batching {rec.batching}"
                   f"{' (' + rec.participation + ')' if rec.participation else ''}, noise_std {rec.noise_std:.6g} "
                   f"(sigma {rec.noise_multiplier:.6g}), {rec.accounting} {rec.kind}; rms_error {rec.rms_error:.4g}")
+    for d in result.dropped:
+        console.print(f"dropped {d['candidate']}: {d['reason']}", markup=False)
     if rec.mechanism_file:
         console.print(f"mechanism file: {rec.mechanism_file}")
     if "plan_file" in data:

@@ -90,6 +90,8 @@ def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epoch
     if compare is not None and not compare.strip():
         raise CorrnoiseError("compare", "names a second mechanism to train beside the first; got an empty name")
     bar, report = _progress_bar(not as_json and sys.stderr.isatty())
+    if as_json:  # nothing but the JSON object; otherwise planning writes progress lines on stderr
+        report = False
     kwargs = dict(epsilon=epsilon, delta=delta, batching=batching, epochs=epochs, batch_size=batch_size, lr=lr,
                   momentum=momentum, optimizer=optimizer, clip_norm=clip_norm, seed=seed, noise_seed=noise_seed,
                   device=device, max_physical_batch_size=physical_batch_size, progress=report, plan=plan)

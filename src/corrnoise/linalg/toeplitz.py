@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 from scipy import linalg as sla
-from scipy import signal
 
 from ..errors import CorrnoiseError, check_finite_array, check_int
+
+
+def _signal():
+    """scipy.signal, imported on first use: the import takes ~1 s (scipy's array-API backends pull in
+    scipy.stats), which every ``import corrnoise`` paid before."""
+    from scipy import signal
+
+    return signal
 
 # Below this many non-zero coefficients we use direct (FIR/IIR) filtering, above it FFTs.
 _SHORT = 64
@@ -92,7 +99,7 @@ def series_multiply(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
     if min(a.size, b.size) <= _SHORT:
         out = np.convolve(a, b)[:n]
     else:
-        out = signal.fftconvolve(a, b)[:n]
+        out = _signal().fftconvolve(a, b)[:n]
     return _pad(out, n)
 
 
@@ -110,7 +117,7 @@ def series_inverse(c: np.ndarray, n: int) -> np.ndarray:
     impulse = np.zeros(n)
     impulse[0] = 1.0
     if length <= _SHORT:
-        return signal.lfilter([1.0], c[:length], impulse)
+        return _signal().lfilter([1.0], c[:length], impulse)
     g = np.array([1.0 / c[0]])
     k = 1
     while k < n:
@@ -137,9 +144,9 @@ def toeplitz_matmul(c: np.ndarray, x: np.ndarray) -> np.ndarray:
     c = _pad(np.asarray(c, dtype=np.float64), n)
     length = max(effective_length(c), 1)
     if length <= _SHORT:
-        return signal.lfilter(c[:length], [1.0], x, axis=0)
+        return _signal().lfilter(c[:length], [1.0], x, axis=0)
     cc = c.reshape((n,) + (1,) * (x.ndim - 1))
-    return signal.fftconvolve(cc, x, axes=0)[:n]
+    return _signal().fftconvolve(cc, x, axes=0)[:n]
 
 
 def toeplitz_solve(c: np.ndarray, y: np.ndarray, inverse_coefficients: np.ndarray | None = None) -> np.ndarray:
@@ -149,7 +156,7 @@ def toeplitz_solve(c: np.ndarray, y: np.ndarray, inverse_coefficients: np.ndarra
     c = _pad(np.asarray(c, dtype=np.float64), n)
     length = max(effective_length(c), 1)
     if inverse_coefficients is None and length <= _SHORT:
-        return signal.lfilter([1.0], c[:length], y, axis=0)
+        return _signal().lfilter([1.0], c[:length], y, axis=0)
     inv = series_inverse(c, n) if inverse_coefficients is None else inverse_coefficients
     return toeplitz_matmul(inv, y)
 

@@ -19,6 +19,7 @@ _LAZY = {
     "sweep_bands": ".banded",
     "optimize_banded_toeplitz": ".toeplitz",
     "optimize_blt": ".blt",
+    "optimize_blt_each": ".blt",
     "OBJECTIVES": ".common",
 }
 

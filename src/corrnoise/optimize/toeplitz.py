@@ -36,7 +36,6 @@ from typing import Callable
 
 import numpy as np
 from scipy import optimize as sopt
-from scipy import signal
 
 from ..errors import CorrnoiseError, check_int
 from ..linalg import toeplitz as tp
@@ -44,6 +43,14 @@ from ..participation import Participation, Single, parse_participation
 from ..strategies import ColumnNormalized, Strategy, Toeplitz
 from ..workloads import Workload
 from .common import check_objective, check_progress, check_workload, series_sqrt
+
+
+def _signal():
+    """scipy.signal, imported on first use: the import takes ~1 s (scipy's array-API backends pull in
+    scipy.stats), which every ``import corrnoise`` paid before."""
+    from scipy import signal
+
+    return signal
 
 __all__ = [
     "optimize_banded_toeplitz",
@@ -119,7 +126,7 @@ def toeplitz_sensitivity_squared_and_grad(
 def _inverse_apply(c: np.ndarray, x: np.ndarray, fir: bool) -> np.ndarray:
     """T_c^{-1} x (lower-triangular Toeplitz solve)."""
     if fir:
-        return signal.lfilter([1.0], c, x)
+        return _signal().lfilter([1.0], c, x)
     inv = tp.series_inverse(c, x.size)
     return tp.series_multiply(inv, x, x.size)
 
@@ -134,7 +141,7 @@ def _lag_correlation(u: np.ndarray, beta: np.ndarray, p: int) -> np.ndarray:
     n = u.size
     if p <= 32:
         return np.array([float(np.dot(u[j:], beta[: n - j])) for j in range(p)])
-    full = signal.fftconvolve(u[::-1], beta)  # index n-1-j holds r_j
+    full = _signal().fftconvolve(u[::-1], beta)  # index n-1-j holds r_j
     return full[n - 1 - np.arange(p)]
 
 
@@ -170,9 +177,16 @@ def toeplitz_error_and_grad(c: np.ndarray, spec: _ErrorSpec) -> tuple[float, np.
     err = sum_t w_t beta_t^2 with beta = T_c^{-1} a, w_t = (n - t)/n (rms) or 1 (max). With the
     fixed-point tail (seed 002 App. I) beta_t = beta_* = a_* / sum_j c_j for t >= K adds
     beta_*^2 W_tail (W_tail = sum_{t >= K} w_t), whose gradient is -2 W_tail beta_*^2 / sum_j c_j.
+
+    A singular T_c (c_0 = 0, or a non-finite c) has no decoder: err = inf with a zero gradient,
+    which the optimizer treats as infeasible (its line search backtracks). L-BFGS-B reaches
+    c = 0 in the monotone parameterization: the objective is scale-invariant, and a projected
+    step onto the bounds delta >= 0 can zero every decrement (n = 80, bands = n, cyclic:10:8).
     """
     c = np.asarray(c, dtype=np.float64)
     p = c.size
+    if p == 0 or c[0] == 0.0 or not np.all(np.isfinite(c)):
+        return math.inf, np.zeros(p)
     fir = p <= _FILTER_MAX_BANDS
     beta = _inverse_apply(c, spec.a, fir)
     wb = spec.head_weights * beta

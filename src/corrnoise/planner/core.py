@@ -37,12 +37,32 @@ Candidates (family -> how C is built -> how it is accounted):
 
 Every C is optimized for the unamplified cyclic participation and reused under amplification.
 
-Screening vs final.  Every candidate is first calibrated cheaply: PLD methods with a 1e-3
-discretization (still a pessimistic, formal guarantee), Monte Carlo with ``estimate=True`` on
-2^15 samples (``kind: "estimate"``: never used to train).  The best feasible candidate by
-``rms_error`` is then re-calibrated with the full analysis (default PLD discretization; verified
-Monte Carlo -- Estimate-Verify-Release, seed 000 Thm 2.1) and the ranking is checked again, until
-the best candidate is a final, formal guarantee.  Only that number is recommended.
+Order of work (analytic first, Monte Carlo only where it can still win).  Every design is built
+(a design whose optimization fails is dropped with its reason in :attr:`PlanResult.dropped`), then:
+
+1. analytic candidates (DP-SGD PLD, unamplified Gaussian, BandMF block-cyclic PLD) are calibrated
+   -- PLD with a 1e-3 discretization while screening (still a pessimistic, formal guarantee) --
+   and the best of them (DP-SGD winning a tie within ``DPSGD_TIE_MARGIN``) is finalized with the
+   default discretization;
+2. every balls-in-bins (Monte Carlo) candidate gets a deterministic lower bound on its rms_error,
+   lower_noise * ||A C^-1||_F / sqrt(n) (:func:`corrnoise.accounting.montecarlo.noise_lower_bound`:
+   a hockey-stick lower bound of the Lemma 3.2 pair; every verified guarantee for it has more
+   noise); a verified guarantee already in the cache (:mod:`corrnoise.accounting.cache`) makes
+   it final at once;
+3. branch and bound (:func:`_search_monte_carlo`): a Monte Carlo candidate is considered only
+   while its lower bound is below ``(1 - IMPROVEMENT_MARGIN)`` times the best final rms_error --
+   a candidate that cannot beat the best by that margin is never screened, let alone verified
+   (:data:`~.constants.IMPROVEMENT_MARGIN`).  Those left get a 2^15-sample estimate (``kind:
+   "estimate"``, aimed at delta / tau as verification is), the plausible ones (estimate within
+   ``SCREEN_NOISE_MARGIN`` of that bar) a 2^20-sample estimate, and the best of those estimates,
+   if it beats the bar, the full calibration with fresh-sample verification
+   (Estimate-Verify-Release, seed 000 Thm 2.1); the bar moves with every new final guarantee.
+
+Why the bound is safe for the *choice*: a skipped candidate's verified rms_error would be above its
+lower bound (but with the verification's failure probability, <= 1e-3 delta), so above the bar,
+so it could not have been recommended by more than the margin.  The *privacy* of what is
+recommended never rests on a bound or an estimate: only a final, formal guarantee is recommended,
+and only guarantees (verified for Monte Carlo) are cached.
 
 Numbers per candidate (docs/design.md conventions, unit clip norm, prefix workload):
 ``rms_error = noise_std ||A C^-1||_F / sqrt(n)``, ``max_error = noise_std max_t ||(A C^-1)[t]||``;
@@ -56,6 +76,7 @@ axpy), regenerated C^-1: 2 nnz - 1 per row on average, the tree: ``designs._tree
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
 from dataclasses import dataclass, field
@@ -63,11 +84,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import CorrnoiseError, check_int
-from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, FAMILIES, FINAL_MC_SAMPLES, MAX_DENSE_N, MAX_FINALIZE,
-                        MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES, SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES,
-                        SCREEN_MC_TAU, SCREEN_NOISE_MARGIN)
-from .designs import _batching_spec, _designs, _errors
+from ..progress import LineProgress, format_seconds, null_progress
+from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, ESTIMATE_MC_SAMPLES, FAMILIES, FINAL_MC_SAMPLES,
+                        IMPROVEMENT_MARGIN,
+                        MAX_DENSE_N, MAX_FINALIZE, MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES,
+                        SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES, SCREEN_MC_TAU, SCREEN_NOISE_MARGIN)
+from .designs import DESIGN_FAILURES, _batching_spec, _designs, _errors
 from .setup import PlanSetup, make_setup
+from .store import cached_errors
 
 __all__ = [
     "FAMILIES", "PIPELINES", "PlanSetup", "Candidate", "PlanResult", "plan",
@@ -107,6 +131,14 @@ class Candidate:
     strategy: Any = field(default=None, repr=False)
     #: the PrivacyResult behind the numbers (a guarantee when ``final``); not in :meth:`to_dict`
     result: Any = field(default=None, repr=False)
+    #: PLD candidates: the screening noise (discretization SCREEN_DISCRETIZATION), about where the
+    #: final calibration's own coarse search would end (it starts there instead)
+    coarse_noise: float | None = field(default=None, repr=False)
+    #: balls-in-bins only: a lower bound on the noise any verified guarantee needs, and on rms_error
+    lower_noise: float | None = None
+    lower_rms: float | None = None
+    #: balls-in-bins only: how far the Monte Carlo work went (None, "screened", "estimated", "verified")
+    stage: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -123,7 +155,15 @@ class Candidate:
             out["mechanism_file"] = self.mechanism_file
         if self.accounting_details:
             out["accounting_details"] = self.accounting_details
+        if self.lower_rms is not None:
+            out["rms_error_lower_bound"] = self.lower_rms
+            out["noise_std_lower_bound"] = self.lower_noise
         return out
+
+    @property
+    def monte_carlo(self) -> bool:
+        """Accounted by balls-in-bins Monte Carlo (a verified guarantee costs ~1/delta samples)."""
+        return self.batching.startswith("balls-in-bins")
 
     @property
     def amplified(self) -> bool:
@@ -143,54 +183,117 @@ class PlanResult:
     candidates: list[Candidate]
     recommended: Candidate
     seconds: float
+    #: designs whose optimization failed, with the reason: ``{"candidate": label, "reason": text}``
+    dropped: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"setup": self.setup.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
-                "recommended": self.recommended.to_dict(), "seconds": round(self.seconds, 3)}
+        out = {"setup": self.setup.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
+               "recommended": self.recommended.to_dict(), "seconds": round(self.seconds, 3)}
+        if self.dropped:
+            out["dropped"] = list(self.dropped)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------
 # Calibration (screening and final)
 # ----------------------------------------------------------------------------------------------
 _NO_DISCRETIZATION: set[str] = set()
+#: the planner's progress reporter while plan() runs (finalize_candidate reports through it)
+_REPORT: contextvars.ContextVar[Progress] = contextvars.ContextVar("corrnoise_plan_report", default=null_progress)
 
 
 def _calibrate(strategy, batching: str, participation: str | None, epsilon: float, delta: float, screen: bool,
-               seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES):
+               seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES, progress: Progress | None = None,
+               lower_noise: float | None = None, coarse_start: float | None = None):
     """(PrivacyResult, final?) for ``strategy`` under ``batching``.  Screening: coarse PLD
-    discretization where the method takes one, Monte Carlo estimates; final: full analysis
-    (verified Monte Carlo).  Uses only the public accounting functions."""
-    from ..accounting import calibrate, get_method, parse_batching
+    discretization where the method takes one, Monte Carlo estimates (:func:`_mc_estimate`);
+    final: full analysis (verified Monte Carlo).  Guarantees go through the on-disk cache of
+    guarantees (:func:`corrnoise.accounting.cache.cached_calibrate`); estimates never do."""
+    from ..accounting import choose_method, parse_batching
+    from ..accounting.cache import cached_calibrate
 
     bat = parse_batching(batching, participation if batching == "none" else None)
     if isinstance(bat, _balls_in_bins_class()):
         if not screen:
-            return calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES), True
-        aim = delta / SCREEN_MC_TAU
-        try:
-            res = calibrate(strategy, bat, epsilon=epsilon, delta=aim, estimate=True, samples=screen_samples, seed=seed)
-        except CorrnoiseError as exc:
-            if exc.param != "estimate":
-                raise
-            # calibrate() releases only guarantees; a screening estimate is asked for from the
-            # method itself (it is labelled kind="estimate" and never recommended as such)
-            res = get_method("mc").calibrate(strategy, bat, epsilon, aim, samples=screen_samples,
-                                             seed=seed, estimate=True)
-        if res.kind != "guarantee":
-            res = res.with_extras(screened_at_delta=aim)
+            return _mc_final(strategy, bat, epsilon, delta, progress), True
+        res = _mc_estimate(strategy, bat, epsilon, delta, seed, screen_samples, lower_noise)
         return res, res.kind == "guarantee"
-    from ..accounting import choose_method
-
     method = choose_method(strategy, bat)
     if screen and method not in _NO_DISCRETIZATION:
         try:
-            return calibrate(strategy, bat, epsilon=epsilon, delta=delta,
-                             discretization=SCREEN_DISCRETIZATION), False
+            return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta,
+                                    discretization=SCREEN_DISCRETIZATION), False
         except CorrnoiseError as exc:
             if exc.param != "discretization":
                 raise
             _NO_DISCRETIZATION.add(method)
-    return calibrate(strategy, bat, epsilon=epsilon, delta=delta), True
+    # the screening calibration (a coarser discretization) is where the final one's coarse search
+    # would end up, to a fraction of a percent: the fine search starts there
+    start = coarse_start if method not in _NO_DISCRETIZATION else None
+    return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, start=start), True
+
+
+def _mc_final(strategy, bat, epsilon: float, delta: float, progress):
+    """The verified balls-in-bins guarantee (Estimate-Verify-Release, seed 000 Thm 2.1: the
+    calibration on FINAL_MC_SAMPLES samples, the verification on a fresh sample, both OS entropy),
+    from the cache if it holds one for this event, stored there otherwise."""
+    from ..accounting.cache import cached_calibrate
+
+    return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES, progress=progress)
+
+
+def _mc_start(lower_noise: float | None) -> tuple[float, float] | None:
+    """Where a Monte Carlo calibration of a candidate starts looking: from its lower bound (the
+    noise is above it; 1.3x covers the bound's slack measured on the planner's setups)."""
+    return None if not lower_noise else (lower_noise, 1.3 * lower_noise)
+
+
+def _mc_candidate_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None,
+                           lower_noise: float | None = None):
+    """An estimate of the noise the verified calibration of :func:`_mc_final` will release.
+
+    That calibration (Algorithm 2 on FINAL_MC_SAMPLES samples m_f, aimed at delta / tau) keeps an
+    upper-confidence margin z_f se_f below the target, z_f = verification_margin_z (the
+    verification's). Here the same calibration runs on ESTIMATE_MC_SAMPLES samples m_e, whose
+    standard error is se_f sqrt(m_f / m_e); the margin z_e = z_f sqrt(m_e / m_f) makes z_e se_e =
+    z_f se_f, so the estimate aims where the final calibration will, without the bias a full-size
+    margin on the smaller sample would add (2-3% noise at delta 1e-5). ``kind="estimate"``: it
+    decides what to verify, never what to release."""
+    from ..accounting.montecarlo import calibrate_noise_std, reduce_balls_in_bins, verification_samples
+    from ..accounting.montecarlo.inputs import DEFAULT_MARGIN_Z, DEFAULT_TAU
+    from ..accounting.montecarlo.release import verification_margin_z
+
+    red = reduce_balls_in_bins(strategy.matrix(), bat.bins)
+    z_final = verification_margin_z(DEFAULT_MARGIN_Z, FINAL_MC_SAMPLES, verification_samples(delta, DEFAULT_TAU))
+    z = z_final * math.sqrt(ESTIMATE_MC_SAMPLES / FINAL_MC_SAMPLES)
+    cal = calibrate_noise_std(red, bat.bins, epsilon, delta / DEFAULT_TAU, ESTIMATE_MC_SAMPLES, seed, z,
+                              _reduced=red, start=_mc_start(lower_noise))
+    return _estimate_result(cal, red, epsilon, delta)
+
+
+def _estimate_result(cal, red, epsilon: float, delta: float):
+    from ..accounting import PrivacyResult
+
+    extras = {"samples": cal.samples, "screened_at_delta": cal.target_delta, "margin_z": round(cal.margin_z, 4)}
+    return PrivacyResult(float(epsilon), float(delta), float(cal.noise_std), float(cal.noise_std / red.column_norm),
+                         "mc", extras, kind="estimate")
+
+
+def _mc_estimate(strategy, bat, epsilon: float, delta: float, seed: int | None, samples: int,
+                 lower_noise: float | None = None):
+    """A Monte Carlo *estimate* of the balls-in-bins noise (seed 000 Algorithm 2, no verification,
+    ``kind="estimate"``), aimed at delta / SCREEN_MC_TAU like the verified calibration, starting
+    from the candidate's lower bound. One bin is the exact Gaussian mechanism (a guarantee, from
+    the method)."""
+    from ..accounting import get_method
+    from ..accounting.montecarlo import calibrate_noise_std, reduce_balls_in_bins
+
+    aim = delta / SCREEN_MC_TAU
+    if bat.bins == 1:
+        return get_method("mc").calibrate(strategy, bat, epsilon, aim, samples=samples, seed=seed, estimate=True)
+    red = reduce_balls_in_bins(strategy.matrix(), bat.bins)
+    cal = calibrate_noise_std(red, bat.bins, epsilon, aim, samples, seed, _reduced=red, start=_mc_start(lower_noise))
+    return _estimate_result(cal, red, epsilon, delta)
 
 
 def _balls_in_bins_class():
@@ -220,74 +323,54 @@ def _jsonable(v) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Strategies per family
-# ----------------------------------------------------------------------------------------------
-# ----------------------------------------------------------------------------------------------
 # plan()
 # ----------------------------------------------------------------------------------------------
+def _reporter(progress: Any) -> Progress:
+    """``progress`` for plan(): None -> lines on stderr (:class:`corrnoise.progress.LineProgress`,
+    silent for the first second), False -> nothing, a callable as is."""
+    if progress is None:
+        return LineProgress("corrnoise plan")
+    if progress is False:
+        return null_progress
+    if not callable(progress):
+        raise CorrnoiseError("progress", "must be a callable (label, done, total), False or None")
+    return progress
+
+
 def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = None, out_dir: str | Path | None = None,
          mechanism_file: str | Path | None = None, seed: int | None = None, screen_samples: int = SCREEN_MC_SAMPLES,
          **kwargs: Any) -> PlanResult:
-    """Plan a run: every valid candidate with its screened noise, and the recommended one (lowest
-    ``rms_error`` among the feasible candidates the pipeline allows, DP-SGD winning a tie within
-    ``DPSGD_TIE_MARGIN``) re-calibrated with the full, formal guarantee.
+    """Plan a run: every valid candidate with its screened noise (or, for a Monte Carlo candidate
+    that cannot win, its lower bound), and the recommended one (lowest ``rms_error`` among the
+    feasible candidates the pipeline allows, DP-SGD winning a tie within ``DPSGD_TIE_MARGIN``)
+    with the full, formal guarantee.  The order of work is in the module docstring: analytic
+    candidates first, Monte Carlo only where it can still win.
 
     ``setup``: a :class:`PlanSetup`, a dict of its fields, or its fields as keyword arguments.
-    ``progress(label, done, total)`` is called as work completes.  ``out_dir``: save every
+    ``progress(label, done, total)`` is called as work completes; by default (None) a line on
+    stderr says what is being done and about how long it will take, once the plan has run a
+    second (also when stderr is not a terminal); ``False`` is silent.  ``out_dir``: save every
     candidate's mechanism file under ``out_dir/candidates/`` and the recommended one as
     ``out_dir/recommended.json``; ``mechanism_file``: where to save the recommended one (a .json
     path).  ``seed`` only fixes the Monte Carlo *screening* samples (the verification of the
     recommended candidate always draws fresh OS entropy); ``screen_samples``: Monte Carlo samples per
-    screening estimate.
+    screening estimate.  Verified guarantees are cached on disk (``$CORRNOISE_CACHE``, see
+    :mod:`corrnoise.accounting.cache`; ``CORRNOISE_CACHE=off`` disables it).
     """
     t_start = time.perf_counter()
     setup = make_setup(setup, **kwargs)
     screen_samples = check_int("screen_samples", screen_samples, minimum=1)
-    if progress is not None and not callable(progress):
-        raise CorrnoiseError("progress", "must be a callable (label, done, total)")
-    report = progress or (lambda label, done, total: None)
-    tasks = _designs(setup)
-    if not tasks:
-        raise CorrnoiseError("only", f"no family in {','.join(setup.only or FAMILIES)} applies to n = {setup.n} steps "
-                             f"(toeplitz needs n <= {MAX_TOEPLITZ_N}, dense n <= {MAX_DENSE_N}, the others n >= 2)")
-    total = len(tasks) + 1
-    candidates: list[Candidate] = []
-    epsilon_errors: list[str] = []
-    for i, (label, build) in enumerate(tasks):
-        report(label, i, total)
-        design = build()
-        mean_error, max_error = _errors(design.strategy)
-        for spec in design.batchings:
-            batching = _batching_spec(spec, setup)
-            cand = Candidate(
-                family=design.family, mechanism=design.mechanism, batching=batching,
-                participation=setup.participation if batching == "none" else None,
-                strategy_label=design.strategy.label, memory_vectors=design.memory, noise_cost=design.cost,
-                mean_error=mean_error, max_error_unit=max_error, seconds=design.seconds, strategy=design.strategy)
-            t0 = time.perf_counter()
-            try:
-                res, final = _calibrate(design.strategy, batching, cand.participation, setup.epsilon, setup.delta,
-                                        screen=True, seed=seed, screen_samples=screen_samples)
-            except CorrnoiseError as exc:
-                if exc.param != "epsilon":
-                    raise
-                cand.note = str(exc)
-                cand.seconds += time.perf_counter() - t0
-                epsilon_errors.append(str(exc))
-                candidates.append(cand)
-                continue
-            _apply(cand, res, final, time.perf_counter() - t0)
-            cand.feasible = setup.max_buffers is None or cand.memory_vectors <= setup.max_buffers
-            if not cand.feasible:
-                cand.note = f"needs {cand.memory_vectors} noise buffers > max_buffers = {setup.max_buffers}"
-            if cand.noise_multiplier > MAX_NOISE_MULTIPLIER:
-                cand.feasible = False
-                cand.note = f"needs noise multiplier {cand.noise_multiplier:.3g} > {MAX_NOISE_MULTIPLIER:g}"
-                epsilon_errors.append(f"epsilon: {cand.mechanism} under {cand.batching} {cand.note}")
-            candidates.append(cand)
-    report("final calibration", len(tasks), total)
-    recommended = _finalize(candidates, setup, epsilon_errors)
-    report("done", total, total)
+    report = _reporter(progress)
+    token = _REPORT.set(report)
+    try:
+        candidates, dropped, epsilon_errors = _build_candidates(setup, report, seed, screen_samples)
+        recommended = _finalize(candidates, setup, epsilon_errors, report, seed, screen_samples)
+        report("done", 1, 1)
+    finally:
+        _REPORT.reset(token)
+        close = getattr(report, "close", None)
+        if close is not None:
+            close()
     if out_dir is not None:
         out = Path(out_dir)
         for cand in candidates:
@@ -299,7 +382,122 @@ def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = N
     if mechanism_file is not None:
         recommended.mechanism_file = str(_save(recommended, setup, Path(mechanism_file)))
     candidates.sort(key=_rank_key)
-    return PlanResult(setup, candidates, recommended, time.perf_counter() - t_start)
+    return PlanResult(setup, candidates, recommended, time.perf_counter() - t_start, dropped)
+
+
+def _build_candidates(setup: PlanSetup, report: Progress, seed: int | None, screen_samples: int
+                      ) -> tuple[list[Candidate], list[dict[str, str]], list[str]]:
+    """Every design built (a failed one dropped with its reason), every analytic candidate
+    screened (a formal guarantee, cached), every Monte Carlo candidate's lower bound."""
+    tasks = _designs(setup)
+    if not tasks:
+        raise CorrnoiseError("only", f"no family in {','.join(setup.only or FAMILIES)} applies to n = {setup.n} steps "
+                             f"(toeplitz needs n <= {MAX_TOEPLITZ_N}, dense n <= {MAX_DENSE_N}, the others n >= 2)")
+    candidates: list[Candidate] = []
+    dropped: list[dict[str, str]] = []
+    epsilon_errors: list[str] = []
+    for i, (label, build) in enumerate(tasks):
+        report(f"optimizing candidates: {label}", i, len(tasks))
+        t0 = time.perf_counter()
+        try:
+            design = build()
+            mean_error, max_error = cached_errors(design.strategy, _errors)
+        except DESIGN_FAILURES as exc:  # one failed design must not sink the plan
+            dropped.append({"candidate": label, "reason": _one_line(exc),
+                            "seconds": f"{time.perf_counter() - t0:.2f}"})
+            continue
+        for spec in design.batchings:
+            batching = _batching_spec(spec, setup)
+            candidates.append(Candidate(
+                family=design.family, mechanism=design.mechanism, batching=batching,
+                participation=setup.participation if batching == "none" else None,
+                strategy_label=design.strategy.label, memory_vectors=design.memory, noise_cost=design.cost,
+                mean_error=mean_error, max_error_unit=max_error, seconds=design.seconds, strategy=design.strategy))
+    report("optimizing candidates", len(tasks), len(tasks))
+    if not candidates:
+        why = "; ".join(f"{d['candidate']}: {d['reason']}" for d in dropped[:3])
+        raise CorrnoiseError("only", f"every candidate design failed ({why})")
+    analytic = [c for c in candidates if not c.monte_carlo]
+    for j, cand in enumerate(analytic):
+        report(f"analytic accounting: {cand.mechanism} {cand.batching}", j, len(analytic))
+        _screen(cand, setup, seed, screen_samples, epsilon_errors)
+    report("analytic accounting", len(analytic), len(analytic))
+    mc = [c for c in candidates if c.monte_carlo]
+    for j, cand in enumerate(mc):
+        report(f"Monte Carlo lower bounds: {cand.mechanism}", j, len(mc))
+        _lower_bound(cand, setup)
+    report("Monte Carlo lower bounds", len(mc), len(mc))
+    return candidates, dropped, epsilon_errors
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, CorrnoiseError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())
+
+
+def _screen(cand: Candidate, setup: PlanSetup, seed: int | None, screen_samples: int,
+            epsilon_errors: list[str]) -> None:
+    """The screening calibration of one candidate (a guarantee for analytic methods, an estimate
+    for Monte Carlo), in place; an unreachable epsilon is a note, not an error."""
+    t0 = time.perf_counter()
+    try:
+        res, final = _calibrate(cand.strategy, cand.batching, cand.participation, setup.epsilon, setup.delta,
+                                screen=True, seed=seed, screen_samples=screen_samples, lower_noise=cand.lower_noise)
+    except CorrnoiseError as exc:
+        if exc.param != "epsilon":
+            raise
+        cand.note = str(exc)
+        cand.feasible = False
+        cand.seconds += time.perf_counter() - t0
+        epsilon_errors.append(str(exc))
+        return
+    _apply(cand, res, final, time.perf_counter() - t0)
+    if not final and not cand.monte_carlo:  # a coarse PLD screening
+        cand.coarse_noise = cand.noise_std
+    _check_feasible(cand, setup, epsilon_errors)
+
+
+def _check_feasible(cand: Candidate, setup: PlanSetup, epsilon_errors: list[str]) -> None:
+    cand.feasible = setup.max_buffers is None or cand.memory_vectors <= setup.max_buffers
+    if not cand.feasible:
+        cand.note = f"needs {cand.memory_vectors} noise buffers > max_buffers = {setup.max_buffers}"
+    if cand.noise_multiplier is not None and cand.noise_multiplier > MAX_NOISE_MULTIPLIER:
+        cand.feasible = False
+        cand.note = f"needs noise multiplier {cand.noise_multiplier:.3g} > {MAX_NOISE_MULTIPLIER:g}"
+        epsilon_errors.append(f"epsilon: {cand.mechanism} under {cand.batching} {cand.note}")
+
+
+def _lower_bound(cand: Candidate, setup: PlanSetup) -> None:
+    """A Monte Carlo candidate's deterministic lower bounds on noise and rms_error
+    (:func:`corrnoise.accounting.montecarlo.noise_lower_bound`), its memory feasibility, and
+    whether delta can be verified at all (Thm 2.2's sample count)."""
+    from ..accounting.montecarlo.release import check_verification_cost
+
+    t0 = time.perf_counter()
+    cand.feasible = setup.max_buffers is None or cand.memory_vectors <= setup.max_buffers
+    if not cand.feasible:
+        cand.note = f"needs {cand.memory_vectors} noise buffers > max_buffers = {setup.max_buffers}"
+    try:
+        check_verification_cost(setup.delta)
+    except CorrnoiseError as exc:
+        cand.feasible, cand.note = False, str(exc)
+    cand.lower_noise = _noise_lower_bound(cand, setup.epsilon, setup.delta)
+    cand.lower_rms = cand.lower_noise * cand.mean_error
+    cand.seconds += time.perf_counter() - t0
+
+
+def _noise_lower_bound(cand: Candidate, epsilon: float, delta: float) -> float:
+    """:func:`corrnoise.accounting.montecarlo.noise_lower_bound` of a balls-in-bins candidate."""
+    from ..accounting import parse_batching
+    from ..accounting.montecarlo import noise_lower_bound
+
+    bins = parse_batching(cand.batching).bins
+    C = cand.strategy.matrix()
+    n = C.shape[0]
+    # the Lemma 3.2 modes m_i = sum_j C[:, j b + i] (C >= 0 here: balls-in-bins is offered only to
+    # non-negative C, so |C| = C and the copy of balls_in_bins_modes' np.abs is skipped)
+    modes = C.reshape(n, n // bins, bins).sum(axis=1)
+    return float(noise_lower_bound(C, bins, epsilon, delta, modes=modes).noise_std)
 
 
 def _rank_key(c: Candidate):
@@ -327,7 +525,7 @@ def best_final(candidates: list[Candidate], setup: PlanSetup, keep: Callable[[Ca
     the best is final (finalizing can raise a candidate's rms_error or rule it out) and no screened
     candidate lies within ``SCREEN_NOISE_MARGIN`` of it (at most ``MAX_FINALIZE`` re-calibrations;
     then the best final one). None when no
-    accepted candidate gets a final guarantee. The planner uses it for the recommendation;
+    accepted candidate gets a final guarantee. The planner uses it for the analytic candidates;
     benchmarks that train the best of every family call it per family."""
     choose = choose or (lambda pool: min(pool, key=_rank_key))
     for _ in range(MAX_FINALIZE + 1):
@@ -345,11 +543,15 @@ def best_final(candidates: list[Candidate], setup: PlanSetup, keep: Callable[[Ca
     return choose(pool) if pool else None
 
 
-def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: list[str]) -> Candidate:
-    """The recommendation (:func:`_preferred`) with its final guarantee, or a one-line error."""
-    best = best_final(candidates, setup, choose=_preferred)
-    if best is not None:
-        return best
+def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: list[str], report: Progress,
+              seed: int | None, screen_samples: int) -> Candidate:
+    """The recommendation (:func:`_preferred` among final guarantees) or a one-line error: the
+    analytic candidates finalized first, then the Monte Carlo search (module docstring)."""
+    best_final(candidates, setup, keep=lambda c: not c.monte_carlo, choose=_preferred)
+    _search_monte_carlo(candidates, setup, report, seed, screen_samples, epsilon_errors)
+    pool = [c for c in candidates if c.feasible and c.calibrated and c.final]
+    if pool:
+        return _preferred(pool)
     if not any(c.calibrated for c in candidates) or all(
             c.noise_multiplier is None or c.noise_multiplier > MAX_NOISE_MULTIPLIER for c in candidates):
         why = epsilon_errors[0] if epsilon_errors else "no candidate could be calibrated"
@@ -360,6 +562,119 @@ def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: lis
     raise CorrnoiseError("epsilon", f"no candidate got a final guarantee for epsilon = {setup.epsilon:g}")
 
 
+def _bar(candidates: list[Candidate]) -> float:
+    """What a Monte Carlo candidate's rms_error must be below to be worth its verification:
+    (1 - IMPROVEMENT_MARGIN) times the best final rms_error (inf while none is final)."""
+    finals = [c.rms_error for c in candidates if c.final and c.feasible and c.calibrated]
+    return (1.0 - IMPROVEMENT_MARGIN) * min(finals) if finals else math.inf
+
+
+def _cached_final(cand: Candidate, setup: PlanSetup) -> bool:
+    """Make ``cand`` final from a verified guarantee in the cache, if one is there (no sampling)."""
+    from ..accounting import parse_batching
+    from ..accounting.cache import cached_guarantee
+
+    t0 = time.perf_counter()
+    res = cached_guarantee(cand.strategy, parse_batching(cand.batching), epsilon=setup.epsilon, delta=setup.delta,
+                           samples=FINAL_MC_SAMPLES)
+    if res is None:
+        return False
+    _apply(cand, res, True, time.perf_counter() - t0)
+    cand.stage = "verified"
+    return True
+
+
+def _search_monte_carlo(candidates: list[Candidate], setup: PlanSetup, report: Progress, seed: int | None,
+                        screen_samples: int, epsilon_errors: list[str]) -> None:
+    """Branch and bound over the Monte Carlo candidates (module docstring, step 3), in place.
+
+    A candidate is *open* while feasible, not final and its lower bound is below :func:`_bar`.
+    Open candidates are screened (2^15-sample estimate); the plausible ones (screened below
+    bar * (1 + SCREEN_NOISE_MARGIN): screening noise) are estimated on ESTIMATE_MC_SAMPLES, most
+    promising first -- once one is below the bar, the others only if their lower bound can beat
+    it by IMPROVEMENT_MARGIN -- and the lowest estimate below the bar is finalized (verified; a
+    failed verification rules it out).  Repeats with the new bar, at most MAX_FINALIZE
+    verifications."""
+    mc = sorted((c for c in candidates if c.monte_carlo and c.lower_rms is not None), key=lambda c: c.lower_rms)
+    for cand in mc:
+        if cand.feasible:
+            _cached_final(cand, setup)
+    verifications = 0
+    while verifications < MAX_FINALIZE:
+        bar = _bar(candidates)
+        open_ = [c for c in mc if c.feasible and not c.final and c.lower_rms < bar]
+        if not open_:
+            break
+        todo = [c for c in open_ if c.stage is None]
+        for j, cand in enumerate(todo):
+            report(f"Monte Carlo screening: {cand.mechanism} {cand.batching}", j, len(todo))
+            _screen(cand, setup, seed, screen_samples, epsilon_errors)
+            cand.stage = "screened" if cand.calibrated and not cand.final else cand.stage
+        open_ = [c for c in open_ if c.feasible and c.calibrated and not c.final]
+        # estimate the plausible ones, most promising first; once an estimate beats the bar, only
+        # those whose lower bound can still beat that estimate by the margin are estimated too
+        # (verifications cost 10^8 samples: verify the best estimate once, not the first)
+        plausible = sorted((c for c in open_ if c.stage == "screened"
+                            and c.rms_error < bar * (1.0 + SCREEN_NOISE_MARGIN)), key=_rank_key)
+        for j, cand in enumerate(plausible):
+            best = min((c for c in open_ if c.stage == "estimated" and c.feasible and c.rms_error < bar),
+                       key=_rank_key, default=None)
+            if best is not None and cand.lower_rms >= (1.0 - IMPROVEMENT_MARGIN) * best.rms_error:
+                continue
+            report(f"Monte Carlo estimates ({ESTIMATE_MC_SAMPLES:.1e} samples): {cand.mechanism}", j, len(plausible))
+            _estimate(cand, setup, seed)
+        best = min((c for c in open_ if c.stage == "estimated" and c.feasible and c.rms_error < bar), key=_rank_key,
+                   default=None)
+        if best is None:
+            break
+        finalize_candidate(best, setup)
+        verifications += 1
+    bar = _bar(candidates)
+    for cand in mc:
+        if cand.final or not cand.feasible:
+            continue
+        if cand.stage is None:
+            cand.note = (f"not sampled: rms_error >= {cand.lower_rms:.4g} (lower bound) cannot beat the best final "
+                         f"guarantee by {IMPROVEMENT_MARGIN:.0%}")
+        elif cand.note is None:
+            cand.note = "estimate only: not expected to beat the best final guarantee by " \
+                        f"{IMPROVEMENT_MARGIN:.0%} (bar {bar:.4g})"
+
+
+def _estimate(cand: Candidate, setup: PlanSetup, seed: int | None) -> None:
+    """A screened Monte Carlo candidate's estimate of its verified noise
+    (:func:`_mc_candidate_estimate`), in place: the choice of which candidate to verify rests on
+    it; it is an estimate, never a guarantee."""
+    from ..accounting import parse_batching
+
+    t0 = time.perf_counter()
+    try:
+        res = _mc_candidate_estimate(cand.strategy, parse_batching(cand.batching), setup.epsilon, setup.delta, seed,
+                                     cand.lower_noise)
+    except CorrnoiseError as exc:
+        if exc.param != "epsilon":
+            raise
+        cand.feasible, cand.note = False, str(exc)
+        return
+    _apply(cand, res, False, time.perf_counter() - t0)
+    cand.stage = "estimated"
+    cand.accounting_details["estimate_samples"] = ESTIMATE_MC_SAMPLES
+
+
+def _verify_eta(cand: Candidate, setup: PlanSetup) -> str:
+    """' (N samples, ~T)': what a verified calibration of ``cand`` will sample (the calibration
+    sample and the verification sample of Thm 2.2) and, from this process's last Monte Carlo pass
+    over as many bins, about how long that takes ('' for the time when there was none)."""
+    from ..accounting import parse_batching
+    from ..accounting.montecarlo import verification_samples
+    from ..accounting.montecarlo.sampling import seconds_per_sample
+
+    total = verification_samples(setup.delta) + FINAL_MC_SAMPLES
+    rate = seconds_per_sample(parse_batching(cand.batching).bins)
+    eta = f", ~{format_seconds(rate * total)}" if rate else ""
+    return f" ({total:.2g} samples{eta})"
+
+
 def finalize_candidate(cand: Candidate, setup: PlanSetup) -> Candidate:
     """Re-calibrate one screened candidate with the full, formal guarantee (verified Monte Carlo
     where it applies), in place. A failed verification marks it infeasible (never recommended)
@@ -367,15 +682,29 @@ def finalize_candidate(cand: Candidate, setup: PlanSetup) -> Candidate:
     train the best of every family call it for each."""
     if cand.final or not cand.calibrated:
         return cand
+    report = _REPORT.get()
+    what = f"final guarantee: {cand.mechanism} {cand.batching}"
+    if cand.monte_carlo:
+        what = f"verifying {cand.mechanism} + {cand.batching}{_verify_eta(cand, setup)}"
+    report(what, 0, 1)
+
+    def relay(label: str, done: int, total: int) -> None:  # each Monte Carlo pass its own phase
+        report(f"{what}, {label}", done, total)
+
     t0 = time.perf_counter()
     try:
         res, final = _calibrate(cand.strategy, cand.batching, cand.participation, setup.epsilon, setup.delta,
-                                screen=False)
+                                screen=False, progress=relay if report is not null_progress else None,
+                                coarse_start=cand.coarse_noise)
     except CorrnoiseError as exc:  # a failed verification
         cand.feasible, cand.note = False, f"final calibration failed: {exc}"
         cand.seconds += time.perf_counter() - t0
         return cand
+    finally:
+        report(what, 1, 1)
     _apply(cand, res, final, time.perf_counter() - t0)
+    if cand.monte_carlo and cand.final:
+        cand.stage = "verified"
     if res.kind != "guarantee":  # pragma: no cover - calibrate() only releases guarantees
         cand.feasible, cand.note = False, "final calibration gave no guarantee"
     return cand
@@ -400,8 +729,9 @@ def error_curve(cand: Candidate, setup: PlanSetup, epsilons: Iterable[float], se
     out = []
     for eps in epsilons:
         try:
+            lower = _noise_lower_bound(cand, float(eps), setup.delta) if cand.monte_carlo else None
             res, _ = _calibrate(cand.strategy, cand.batching, cand.participation, float(eps), setup.delta, screen=True,
-                                seed=seed)
+                                seed=seed, lower_noise=lower)
             out.append((float(eps), float(res.noise_std) * cand.mean_error))
         except CorrnoiseError:
             out.append((float(eps), None))

@@ -6,8 +6,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .constants import _PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N, TREE_DECODINGS
+from ..errors import CorrnoiseError
+from .constants import (_PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N,
+                        TOEPLITZ_MAX_ITERATIONS, TREE_DECODINGS)
 from .setup import PlanSetup
+from .store import cached_strategy
+
+#: What a failed design raises (a refused input, a numerical failure -- numpy's LinAlgError is a
+#: ValueError -- an overflow): the planner drops that candidate with the reason and goes on.
+#: Programming errors (TypeError, AttributeError, ...) still propagate.
+DESIGN_FAILURES = (CorrnoiseError, ValueError, ArithmeticError)
 
 
 def _errors(strategy) -> tuple[float, float]:
@@ -88,7 +96,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
             def bandmf(bands=bands):
                 from ..optimize import optimize_banded_toeplitz
 
-                strat = optimize_banded_toeplitz(n, bands, participation=part)
+                strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": bands, "participation": part},
+                                        lambda: optimize_banded_toeplitz(n, bands, participation=part))
                 bats = ["none"]
                 if "block-cyclic" in allowed:
                     bats.append(f"block-cyclic:{bands}")
@@ -97,11 +106,28 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
                 return _Design("bandmf", f"bandmf:{bands}", strat, bands - 1, float(bands), bats, 0.0)
             tasks.append((f"bandmf:{bands}", timed(bandmf)))
     if "blt" in families and n >= 2:
+        path: dict[int, Any] = {}
+
+        def blt_path():
+            """optimize_blt(n, buffers=d) for every d in BUFFERS from one run of the d = 1, 2, ...
+            path (optimize_blt_each: the same BLTs, each d computed once instead of per design)."""
+            from ..optimize import optimize_blt_each
+
+            if not path:
+                path.update(optimize_blt_each(n, BUFFERS, participation=part))
+            return path
+
+        def blt_or_error(d: int):
+            found = blt_path().get(d)
+            if found is None:
+                raise CorrnoiseError("buffers", "BLT optimization did not produce valid parameters; try another "
+                                     "number of buffers")
+            return found
+
         for d in BUFFERS:
             def blt(d=d):
-                from ..optimize import optimize_blt
-
-                strat = optimize_blt(n, buffers=d, participation=part)
+                strat = cached_strategy("optimize_blt", {"n": n, "buffers": d, "participation": part},
+                                        lambda: blt_or_error(d))
                 d_eff = len(strat.alpha)
                 bats = ["none"] + ([bins] if bins_ok and strat.is_nonnegative() else [])
                 return _Design("blt", f"blt:{d_eff}", strat, d_eff, 1.0 + 2.0 * d_eff, bats, 0.0)
@@ -123,7 +149,10 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
         def toeplitz():
             from ..optimize import optimize_banded_toeplitz
 
-            strat = optimize_banded_toeplitz(n, n, participation=part)
+            strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": n, "participation": part,
+                                                                 "max_iterations": TOEPLITZ_MAX_ITERATIONS},
+                                    lambda: optimize_banded_toeplitz(n, n, participation=part,
+                                                                     max_iterations=TOEPLITZ_MAX_ITERATIONS))
             cost = _toeplitz_regenerate_cost(strat.inverse_coefficients, n)
             return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
         tasks.append(("toeplitz", timed(toeplitz)))
@@ -131,7 +160,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
         def dense():
             from ..optimize import optimize_dense
 
-            strat = optimize_dense(n, participation=part)
+            strat = cached_strategy("optimize_dense", {"n": n, "participation": part},
+                                    lambda: optimize_dense(n, participation=part))
             return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
         tasks.append(("dense", timed(dense)))
     if "tree" in families and n >= 2:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 # re-exports (public names; the private ones are for the tests)
 from . import register as _register_mc  # noqa: F401  (registers method "mc")
+from .bounds import NoiseLowerBound, noise_lower_bound
 from .calibration import Calibration, _bisect, _keep_bounds, _Kept, _unamplified_noise, calibrate_noise_std
 from .estimates import (DeltaEstimate, EpsilonEstimate, _delta_moments, _iid_se, _Moments, _stratified_ids, _tail,
                         _Tail, estimate_delta, estimate_epsilon)
@@ -64,7 +65,7 @@ from .inputs import (_CHUNK_ELEMENTS, _PILOT_SAMPLES, _STREAM_CALIBRATE, _STREAM
                      verification_seed)
 from .pair import DominatingPair, balls_in_bins_modes, dominating_pair
 from .release import (MonteCarloResult, Verification, account_balls_in_bins, delta_candidate, failure_probability,
-                      release_verified, verification_samples, verify_privacy)
+                      release_verified, verification_calibration, verification_samples, verify_privacy)
 from .sampling import (ReducedPair, _chunks, _exp_rows, _hockey, _Losses, _lse_bins, _lse_shift, _map_chunks,
                        _Offsets, reduce_balls_in_bins)
 
@@ -94,4 +95,7 @@ __all__ = [
     "resolve_seed",
     "verification_seed",
     "release_verified",
+    "verification_calibration",
+    "NoiseLowerBound",
+    "noise_lower_bound",
 ]

@@ -13,7 +13,8 @@ from ...progress import Progress
 from .estimates import _Moments, _stratified_ids
 from .inputs import (_PILOT_SAMPLES, _STREAM_CALIBRATE, _STREAM_PILOT, DEFAULT_CALIBRATION_SAMPLES, _check_delta,
                      _check_epsilon, _check_samples, resolve_seed)
-from .sampling import ReducedPair, _hockey, _Losses, _lse_bins, _lse_shift, _map_chunks, _Offsets, reduce_balls_in_bins
+from .sampling import (ReducedPair, _hockey, _Losses, _lse_bins, _lse_shift, _map_chunks, _Offsets, reduce_balls_in_bins,
+                       screen_rows)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ def _unamplified_noise(red: ReducedPair, epsilon: float, delta: float) -> float:
 def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
                         samples: int = DEFAULT_CALIBRATION_SAMPLES, seed: int | None = None, margin_z: float = 0.0,
                         rtol: float = 1e-4, workers: int | None = None, progress: Progress | bool | None = None,
-                        _reduced: ReducedPair | None = None) -> Calibration:
+                        _reduced: ReducedPair | None = None, start: tuple[float, float] | None = None
+                        ) -> Calibration:
     """Seed 000 Algorithm 2: the noise_std nu* with max_adj delta_hat(nu*) (+ margin_z * se) = delta,
     by bisection on one fixed sample (i_j, Z_j) (common random numbers).
 
@@ -111,6 +113,10 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
     only the samples whose privacy loss can exceed eps anywhere in the bracket are kept
     (:func:`_keep_bounds`), so each bisection step costs a fraction of a pass.  The answer is the
     upper end of the final bracket (delta_hat there is <= the target).
+
+    ``start``: the bracket where the pilot starts looking, e.g. from a lower bound on the noise
+    (:func:`corrnoise.accounting.montecarlo.noise_lower_bound`); it is widened as needed, so it
+    changes the work done, not what is solved for (default: [unamplified / 16, unamplified]).
     """
     red = _reduced if _reduced is not None else reduce_balls_in_bins(C, bins)
     epsilon = _check_epsilon(epsilon)
@@ -122,12 +128,19 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
     evaluations = 0
 
     def draw_kept(stream: int, m: int, lo: float, hi: float) -> _Kept:
-        def fn(u):
+        def fn(u, sums):
+            # a cheap screen first (:func:`screen_rows`, one pass, no exponentials), then the
+            # termwise bounds of _keep_bounds on the rows it leaves; a row either drops has
+            # Y <= eps at every noise in [lo, hi], so the objective is the same as with all rows
             ids = _stratified_ids(u.shape[0], b)
-            ka, kr = _keep_bounds(red, u, None, lo, hi, epsilon)
-            return u[ka], ids[ka], u[kr]
+            ra, rr = screen_rows(red, u, 1.0 / hi, 1.0 / lo, epsilon, sums)
+            if ra.size:
+                ra = ra[_keep_bounds(red, u[ra], ids[ra], lo, hi, epsilon)[0]]
+            if rr.size:
+                rr = rr[_keep_bounds(red, u[rr], ids[rr], lo, hi, epsilon)[1]]
+            return u[ra], ids[ra], u[rr]
 
-        parts = _map_chunks(red, seed, stream, m, fn, workers, progress, "calibrating noise")
+        parts = _map_chunks(red, seed, stream, m, fn, workers, progress, "calibrating noise", with_sums=True)
         return _Kept(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                      np.concatenate([p[2] for p in parts]), b, m, lo, hi)
 
@@ -156,9 +169,15 @@ def calibrate_noise_std(C: Any, bins: int, epsilon: float, delta: float,
 
     # --- pilot (2^16 samples): bracket between a low guess and the unamplified noise ------------
     hi = _unamplified_noise(red, epsilon, delta)
+    lo, grow = hi / 16.0, 16.0
+    if start is not None:
+        lo, hi = (check_real("start", v, low=0.0, low_open=True) for v in start)
+        if not lo < hi:
+            raise CorrnoiseError("start", f"must be (low, high) with low < high, got {start!r}")
+        grow = 1.5
     pilot_m = min(samples, _check_samples(_PILOT_SAMPLES, b))
     final = pilot_m == samples
-    kept, lo, hi = bracket(_STREAM_CALIBRATE if final else _STREAM_PILOT, pilot_m, hi / 16.0, hi, 16.0)
+    kept, lo, hi = bracket(_STREAM_CALIBRATE if final else _STREAM_PILOT, pilot_m, lo, hi, grow)
     nu = _bisect(excess(kept), lo, hi, rtol if final else 1e-3)[0] if lo < hi else hi
     if not final:
         # --- main sample: a narrow bracket around the pilot's answer, drawn once ------------------

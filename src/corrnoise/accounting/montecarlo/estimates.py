@@ -87,15 +87,17 @@ def _delta_moments(red: ReducedPair, noise_std: float, epsilon: float, samples: 
     losses = _Losses(red, noise_std)
     b = red.bins
 
-    def fn(u):
-        y_add, y_rem = losses.both(u)
-        f_add, f_rem = _hockey(y_add, epsilon), _hockey(y_rem, epsilon)
+    def fn(u, sums):
+        # only rows whose loss may exceed epsilon are evaluated (the others contribute exactly 0)
+        rows_add, f_add, f_rem = losses.hockey_screened(u, epsilon, sums)
         m = u.shape[0]
-        fa = f_add.reshape(m // b, b)
-        return fa.sum(0), (fa * fa).sum(0), m // b, float(f_rem.sum()), float((f_rem * f_rem).sum()), m
+        ids = rows_add % b
+        return (np.bincount(ids, weights=f_add, minlength=b), np.bincount(ids, weights=f_add * f_add, minlength=b),
+                m // b, float(f_rem.sum()), float((f_rem * f_rem).sum()), m)
 
     mom = _Moments(b)
-    for a1, a2, rows, r1, r2, m in _map_chunks(red, seed, stream, samples, fn, workers, progress, label):
+    for a1, a2, rows, r1, r2, m in _map_chunks(red, seed, stream, samples, fn, workers, progress, label,
+                                               with_sums=True):
         mom.add1 += a1
         mom.add2 += a2
         mom.add_n += rows

@@ -186,6 +186,22 @@ def verification_margin_z(margin_z: float, estimation_samples: int, verify_sampl
     return margin_z * math.sqrt(1.0 + estimation_samples / verify_samples)
 
 
+def verification_calibration(C: Any, bins: int, epsilon: float, delta: float, samples: int, seed: int,
+                             tau: float = DEFAULT_TAU, margin_z: float = DEFAULT_MARGIN_Z,
+                             verify_samples: int | None = None, workers: int | None = None,
+                             progress: Progress | bool | None = None, start: tuple[float, float] | None = None):
+    """The Estimate step of Estimate-Verify-Release for calibrating (seed 000 Algorithm 2 aimed at
+    delta / tau with the margin :func:`verification_margin_z`): the candidate noise a verified
+    calibration with this ``seed`` and ``samples`` goes on to verify, computed alone. Only an
+    estimate -- :func:`account_balls_in_bins` verifies it on a fresh sample before anything is
+    released; a planner can rank candidates by exactly the noise their verification would test.
+    ``start``: the calibration's starting bracket (:func:`calibrate_noise_std`)."""
+    red = C if isinstance(C, ReducedPair) else reduce_balls_in_bins(C, bins)
+    z = verification_margin_z(margin_z, samples, verify_samples or verification_samples(delta, tau))
+    return calibrate_noise_std(red, bins, epsilon, delta / tau, samples, seed, z, workers=workers, progress=progress,
+                               _reduced=red, start=start)
+
+
 def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, noise_std: float | None = None,
                           epsilon: float | None = None, verify: bool = True, samples: int | None = None,
                           verify_samples: int | None = None, seed: int | None = None,
@@ -227,9 +243,11 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, nois
         epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
         m = (DEFAULT_PRE_VERIFY_SAMPLES if verify else DEFAULT_CALIBRATION_SAMPLES) if samples is None else samples
         if verify:
-            z = verification_margin_z(z, m, verify_samples or verification_samples(delta, tau))
-        cal = calibrate_noise_std(red, bins, epsilon, target, m, seed, z, workers=workers, progress=progress,
-                                  _reduced=red)
+            cal = verification_calibration(red, bins, epsilon, delta, m, seed, tau, margin_z, verify_samples,
+                                           workers, progress)
+        else:
+            cal = calibrate_noise_std(red, bins, epsilon, target, m, seed, z, workers=workers, progress=progress,
+                                      _reduced=red)
         noise_std = cal.noise_std
         est = (cal.delta_add, cal.delta_remove, cal.std_error_add, cal.std_error_remove, cal.samples)
         extras.update(calibration_samples=cal.samples, calibration_evaluations=cal.evaluations)
