@@ -157,3 +157,22 @@ def test_get_epsilon_is_instant_after_the_first_call(monkeypatch):
         eps = [engine.get_epsilon(1e-5), engine.get_epsilon(1e-6)]
         assert eps[1] > eps[0] > 0
     assert len(calls) == 2  # one per delta for the whole run
+
+
+def test_plan_json_writes_no_file_unasked_and_takes_epochs_as_a_number(tmp_path, monkeypatch):
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from corrnoise.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--steps", "20", "--epochs", "2.0", "--epsilon", "4", "--delta", "1e-5", "--only", "dpsgd",
+            "--pipeline", "cyclic", "--json"]
+    out = CliRunner().invoke(cli, args)
+    assert out.exit_code == 0, out.output
+    data = _json.loads(out.stdout)
+    assert list(tmp_path.iterdir()) == []
+    assert data["candidates"][0]["noise_cost_unit"].startswith("model-size Gaussian draws")
+    bad = CliRunner().invoke(cli, args[:4] + ["2.5"] + args[5:])
+    assert isinstance(bad.exception, CorrnoiseError) and bad.exception.param == "epochs"  # one line: main() exits 2

@@ -7,7 +7,7 @@
 
 Prints every candidate (screening numbers, ``kind`` says guarantee or estimate) and the
 recommended one, re-calibrated with the full formal guarantee and saved as a mechanism file
-(``--mechanism-file``, default ``plan-recommended.json``; with ``--out DIR`` every candidate's
+(``--mechanism-file``, default ``plan-recommended.json`` except with ``--json``; with ``--out DIR`` every candidate's
 file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on stdout, no progress. Otherwise progress goes to
 stderr: a bar on a terminal, else a line per phase once planning has taken a second.
 """
@@ -28,7 +28,8 @@ from .report import finite_json
 @click.option("--dataset-size", "dataset_size", type=int, default=None, help="Number of training examples N.")
 @click.option("--batch-size", "batch_size", type=int, default=None, help="(Expected) batch size B.")
 @click.option("--steps", "steps", type=int, default=None, help="Number of steps n (instead of N and B).")
-@click.option("--epochs", "epochs", type=int, required=True, help="Epochs K (passes over the data).")
+@click.option("--epochs", "epochs", type=float, required=True,
+              help="Epochs K (passes over the data; the planner plans whole epochs).")
 @click.option("--epsilon", "epsilon", type=float, required=True, help="Target epsilon.")
 @click.option("--delta", "delta", type=float, required=True, help="Target delta, in (0, 1).")
 @click.option("--max-buffers", "max_buffers", type=int, default=None,
@@ -59,7 +60,7 @@ def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_bu
         from ..runplan import check_plan_out
 
         check_plan_out(plan_out, setup)
-    if mechanism_file is None and out_dir is None:
+    if mechanism_file is None and out_dir is None and not as_json:  # --json writes only what it is asked to
         mechanism_file = "plan-recommended.json"
     elif mechanism_file is not None:  # fail before planning, not after it
         from ..strategies.io import check_mechanism_path
@@ -114,7 +115,7 @@ def _table(result, data) -> None:
              f"p = {s.sampling_probability:.4g}, ({s.epsilon:g}, {s.delta:g})-DP, pipeline {s.pipeline}")
     table = Table(title=title)
     cols = ["mechanism", "batching", "accounting", "kind", "noise_std", "sigma", "rms_error", "max_error",
-            "memory", "noise_cost", "feasible", "seconds"]
+            "memory", "noise_cost (randn/step)", "feasible", "seconds"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("mechanism", "batching", "accounting", "kind") else "right")
     rec = result.recommended

@@ -146,7 +146,8 @@ class Candidate:
             "batching": self.batching, "participation": self.participation, "accounting": self.accounting,
             "kind": self.kind, "noise_std": self.noise_std, "noise_multiplier": self.noise_multiplier,
             "epsilon": self.epsilon, "rms_error": self.rms_error, "max_error": self.max_error,
-            "memory_vectors": self.memory_vectors, "noise_cost": self.noise_cost, "feasible": self.feasible,
+            "memory_vectors": self.memory_vectors, "noise_cost": self.noise_cost,
+            "noise_cost_unit": "model-size Gaussian draws (randn) per step", "feasible": self.feasible,
             "final": self.final, "seconds": round(self.seconds, 4),
         }
         if self.note:
