@@ -46,7 +46,7 @@ from .base import PrivacyResult, column_norm
 from .calibrate import DEFAULT_RTOL, calibrate
 from .event import as_event
 
-__all__ = ["ACCOUNTANT_VERSION", "CACHE_ENV", "cache_dir", "cache_key", "cached_calibrate", "cached_guarantee", "lookup",
+__all__ = ["ACCOUNTANT_VERSION", "CACHE_ENV", "accountant_version", "cache_dir", "canonical_json", "write_atomically", "cache_key", "cached_calibrate", "cached_guarantee", "lookup",
            "remember", "store"]
 
 #: Bump when the meaning of a cached guarantee changes without a change to the accounting code
@@ -105,8 +105,28 @@ def accountant_version() -> str:
     return _VERSION
 
 
-def _canonical(obj: Any) -> str:
+def canonical_json(obj: Any) -> str:
+    """One spelling of a JSON value (sorted keys, no spaces, no NaN): what keys and digests hash."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one, never a
+    part (a temporary file in the same directory, fsync, rename); the directory is made private."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def cache_key(event, epsilon: float, delta: float, method: str, rtol: float, options: dict[str, Any]) -> dict | None:
@@ -144,11 +164,11 @@ def cache_key(event, epsilon: float, delta: float, method: str, rtol: float, opt
 
 
 def _path(directory: Path, key: dict) -> Path:
-    return directory / "guarantees" / (hashlib.sha256(_canonical(key).encode()).hexdigest()[:40] + ".json")
+    return directory / "guarantees" / (hashlib.sha256(canonical_json(key).encode()).hexdigest()[:40] + ".json")
 
 
 def _digest(key: dict, result: dict) -> str:
-    return hashlib.sha256(_canonical({"key": key, "result": result}).encode()).hexdigest()
+    return hashlib.sha256(canonical_json({"key": key, "result": result}).encode()).hexdigest()
 
 
 def _consistent(result: PrivacyResult, key: dict, event) -> bool:
@@ -194,22 +214,7 @@ def store(directory: Path, key: dict, result: PrivacyResult, event) -> bool:
     try:
         data = result.to_dict()
         entry = {"format": FORMAT, "key": key, "result": data, "digest": _digest(key, data)}
-        text = _canonical(entry)
-        path = _path(directory, key)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(_path(directory, key), canonical_json(entry))
     except Exception:  # noqa: BLE001 - best effort: an unwritable cache is no cache
         return False
     return True

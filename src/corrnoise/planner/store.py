@@ -18,52 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from ..accounting.cache import accountant_version, canonical_json, write_atomically
+
 __all__ = ["cached_strategy", "cached_errors"]
 
 FORMAT = "corrnoise-design-cache"
-_VERSION: str | None = None
-
-
-def _code_version() -> str:
-    """A digest of corrnoise's source (what an optimized strategy depends on, and more), and the
-    numpy / scipy versions."""
-    global _VERSION
-    if _VERSION is None:
-        from importlib.metadata import version
-
-        from .. import __version__
-
-        root = Path(__file__).resolve().parent.parent
-        h = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):  # every source file: any edit re-optimizes
-            h.update(str(path.relative_to(root)).encode())
-            try:
-                h.update(path.read_bytes())
-            except OSError:
-                h.update(b"?")
-        libs = []
-        for name in ("numpy", "scipy"):
-            try:
-                libs.append(f"{name}={version(name)}")
-            except Exception:  # noqa: BLE001 - no metadata: say so in the key
-                libs.append(f"{name}=?")
-        _VERSION = f"{__version__}:{h.hexdigest()[:32]}:{','.join(libs)}"
-    return _VERSION
-
-
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
 def _digest(key: dict, body: dict) -> str:
-    return hashlib.sha256(_canonical({"key": key, "body": body}).encode()).hexdigest()
+    return hashlib.sha256(canonical_json({"key": key, "body": body}).encode()).hexdigest()
 
 
 def _body(strategy) -> dict:
@@ -97,8 +63,8 @@ def cached_strategy(optimizer: str, args: dict[str, Any], build: Callable[[], An
     directory = cache_dir()
     if directory is None:
         return build()
-    key = {"optimizer": optimizer, "args": args, "code": _code_version()}
-    path = directory / "designs" / (hashlib.sha256(_canonical(key).encode()).hexdigest()[:40] + ".json")
+    key = {"optimizer": optimizer, "args": args, "code": accountant_version()}
+    path = directory / "designs" / (hashlib.sha256(canonical_json(key).encode()).hexdigest()[:40] + ".json")
     try:
         entry = json.loads(path.read_text())
         if (isinstance(entry, dict) and entry.get("format") == FORMAT and entry.get("key") == key
@@ -111,7 +77,7 @@ def cached_strategy(optimizer: str, args: dict[str, Any], build: Callable[[], An
     strategy = build()
     try:
         body = _body(strategy)
-        _write(path, {"format": FORMAT, "key": key, "body": body, "digest": _digest(key, body)})
+        write_atomically(path, canonical_json({"format": FORMAT, "key": key, "body": body, "digest": _digest(key, body)}))
     except Exception:  # noqa: BLE001 - best effort
         pass
     return strategy
@@ -126,8 +92,8 @@ def cached_errors(strategy, compute: Callable[[Any], tuple[float, float]]) -> tu
     directory = cache_dir()
     if directory is None:
         return compute(strategy)
-    key = {"errors_of": mechanism_fingerprint(strategy), "code": _code_version()}
-    path = directory / "designs" / ("errors-" + hashlib.sha256(_canonical(key).encode()).hexdigest()[:40] + ".json")
+    key = {"errors_of": mechanism_fingerprint(strategy), "code": accountant_version()}
+    path = directory / "designs" / ("errors-" + hashlib.sha256(canonical_json(key).encode()).hexdigest()[:40] + ".json")
     try:
         entry = json.loads(path.read_text())
         body = entry.get("body") if isinstance(entry, dict) else None
@@ -140,23 +106,9 @@ def cached_errors(strategy, compute: Callable[[Any], tuple[float, float]]) -> tu
     mean, mx = compute(strategy)
     try:
         body = [float(mean), float(mx)]
-        _write(path, {"format": FORMAT, "key": key, "body": body, "digest": _digest(key, body)})
+        write_atomically(path, canonical_json({"format": FORMAT, "key": key, "body": body, "digest": _digest(key, body)}))
     except Exception:  # noqa: BLE001 - best effort
         pass
     return mean, mx
 
 
-def _write(path: Path, entry: dict) -> None:
-    text = _canonical(entry)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
