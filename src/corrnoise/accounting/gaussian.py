@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.optimize import brentq
 from scipy.special import log_ndtr
 
 from ..errors import CorrnoiseError, check_real
@@ -83,6 +82,8 @@ def gaussian_epsilon(delta: float, mu: float) -> float:
     while gaussian_log_delta(hi, mu) > log_target:  # pragma: no cover - the tail bound suffices
         hi *= 2.0
     f = lambda e: gaussian_log_delta(e, mu) - log_target  # noqa: E731
+    from scipy.optimize import brentq  # on first use: importing scipy.optimize takes ~0.2 s
+
     eps = brentq(f, 0.0, hi, xtol=1e-14, rtol=4 * np.finfo(float).eps, maxiter=500)
     # brentq returns a point within tolerance (1e-14) of the root; step up until the guarantee holds,
     # doubling the step (a fixed relative step takes ~1e13 tries at eps ~ 1e-12)
@@ -111,6 +112,8 @@ def gaussian_mu(epsilon: float, delta: float) -> float:
             raise CorrnoiseError("epsilon", f"cannot reach ({epsilon:g}, {delta:g})-DP with any noise")
     while f(hi) <= 0.0:
         lo, hi = hi, hi * 2.0
+    from scipy.optimize import brentq  # on first use: importing scipy.optimize takes ~0.2 s
+
     mu = brentq(f, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=500)
     shrink = 1e-15
     while f(mu) > 0.0:  # down (less mu = more noise) until the guarantee holds, doubling the step

@@ -10,7 +10,7 @@ from ..errors import CorrnoiseError
 from .constants import (_PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N,
                         TOEPLITZ_MAX_ITERATIONS, TREE_DECODINGS)
 from .setup import PlanSetup
-from .store import cached_strategy
+from .store import cached_numbers, cached_strategy
 
 #: What a failed design raises (a refused input, a numerical failure -- numpy's LinAlgError is a
 #: ValueError -- an overflow): the planner drops that candidate with the reason and goes on.
@@ -153,7 +153,8 @@ def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]
                                                                  "max_iterations": TOEPLITZ_MAX_ITERATIONS},
                                     lambda: optimize_banded_toeplitz(n, n, participation=part,
                                                                      max_iterations=TOEPLITZ_MAX_ITERATIONS))
-            cost = _toeplitz_regenerate_cost(strat.inverse_coefficients, n)
+            (cost,) = cached_numbers(strat, "regenerate_cost",
+                                     lambda s: (_toeplitz_regenerate_cost(s.inverse_coefficients, n),), 1)
             return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
         tasks.append(("toeplitz", timed(toeplitz)))
     if "dense" in families and 2 <= n <= MAX_DENSE_N:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..accounting.cache import accountant_version, canonical_json, write_atomically
 
-__all__ = ["cached_strategy", "cached_errors"]
+__all__ = ["cached_strategy", "cached_errors", "cached_numbers"]
 
 FORMAT = "corrnoise-design-cache"
 def _digest(key: dict, body: dict) -> str:
@@ -84,31 +84,40 @@ def cached_strategy(optimizer: str, args: dict[str, Any], build: Callable[[], An
 
 
 def cached_errors(strategy, compute: Callable[[Any], tuple[float, float]]) -> tuple[float, float]:
-    """``compute(strategy)`` -- (mean_error, max_error) per unit noise -- through the cache, keyed by
-    the strategy's fingerprint and the code digest; a doubtful entry is recomputed."""
+    """``compute(strategy)`` -- (mean_error, max_error) per unit noise -- through the cache
+    (:func:`cached_numbers`)."""
+    mean, mx = cached_numbers(strategy, "errors", lambda s: tuple(compute(s)), 2)
+    return mean, mx
+
+
+def cached_numbers(strategy, name: str, compute: Callable[[Any], tuple[float, ...]], count: int
+                   ) -> tuple[float, ...]:
+    """``compute(strategy)`` -- ``count`` finite positive numbers that are a deterministic function
+    of C (its error summary, its noise cost) -- through the cache, keyed by ``name``, the
+    strategy's fingerprint and the code digest; a doubtful entry is recomputed."""
     from ..accounting.cache import cache_dir
     from ..strategies import mechanism_fingerprint
 
     directory = cache_dir()
     if directory is None:
-        return compute(strategy)
-    key = {"errors_of": mechanism_fingerprint(strategy), "code": accountant_version()}
-    path = directory / "designs" / ("errors-" + hashlib.sha256(canonical_json(key).encode()).hexdigest()[:40] + ".json")
+        return tuple(float(v) for v in compute(strategy))
+    key = {name + "_of": mechanism_fingerprint(strategy), "code": accountant_version()}
+    path = directory / "designs" / (name + "-" + hashlib.sha256(canonical_json(key).encode()).hexdigest()[:40] + ".json")
     try:
         entry = json.loads(path.read_text())
         body = entry.get("body") if isinstance(entry, dict) else None
         if (entry.get("format") == FORMAT and entry.get("key") == key and entry.get("digest") == _digest(key, body)
-                and isinstance(body, list) and len(body) == 2 and all(isinstance(v, float) for v in body)
+                and isinstance(body, list) and len(body) == count and all(isinstance(v, float) for v in body)
                 and all(np.isfinite(body)) and min(body) > 0.0):
-            return float(body[0]), float(body[1])
+            return tuple(float(v) for v in body)
     except Exception:  # noqa: BLE001 - recompute
         pass
-    mean, mx = compute(strategy)
+    values = tuple(float(v) for v in compute(strategy))
     try:
-        body = [float(mean), float(mx)]
+        body = list(values)
         write_atomically(path, canonical_json({"format": FORMAT, "key": key, "body": body, "digest": _digest(key, body)}))
     except Exception:  # noqa: BLE001 - best effort
         pass
-    return mean, mx
+    return values
 
 
