@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import CorrnoiseError
+from ..pipelines import BATCHINGS
 from .report import emit
 
 FIRST = ("kind", "epsilon_lower", "epsilon_guarantee", "delta", "confidence", "method", "canaries", "runs", "auc")
@@ -13,7 +14,7 @@ FIRST = ("kind", "epsilon_lower", "epsilon_guarantee", "delta", "confidence", "m
 @click.command("audit")
 @click.option("--dataset", type=click.Choice(["digits", "mnist1d"]), default="digits", show_default=True)
 @click.option("--mechanism", default="identity", show_default=True, help="identity, bsr:B, dpcgd:BETA, blt:A:L, ...")
-@click.option("--batching", type=click.Choice(["cyclic", "balls-in-bins", "poisson", "block-cyclic"]),
+@click.option("--batching", type=click.Choice(list(BATCHINGS[1:])),
               default="cyclic", show_default=True)
 @click.option("--epsilon", type=float, required=True, help="The run is calibrated to (epsilon, delta).")
 @click.option("--delta", type=float, default=1e-5, show_default=True)

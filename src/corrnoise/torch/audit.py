@@ -41,6 +41,7 @@ import torch
 
 from ..audit import AuditResult, many_run_audit, many_run_audit_features, one_run_audit
 from ..errors import CorrnoiseError, check_int, check_real
+from ..pipelines import BATCHINGS
 from ..runplan import parse_mechanism
 from ..sampling import CyclicSampler
 from ..strategies import Strategy
@@ -49,7 +50,7 @@ from .front import make_private
 __all__ = ["AuditSetup", "SCORES", "audit_many_runs", "audit_one_run", "canary_run", "inject_canaries"]
 
 SCORES = ("whitened", "sum", "lda")
-AUDIT_BATCHINGS = ("cyclic", "balls-in-bins", "poisson", "block-cyclic")
+AUDIT_BATCHINGS = BATCHINGS[1:]  # every batching make_private trains with (the vocabulary, less auto)
 
 
 @dataclass
