@@ -31,6 +31,7 @@ from ..accounting import (
 )
 from ..errors import CorrnoiseError, check_int, check_real
 from ..strategies import Strategy, load_mechanism, mechanism_fingerprint, save_mechanism
+from ..strategies.io import read_json_document
 from .agreement import Agreement, refuse_non_guarantees
 from .batching import SamplerSpec
 
@@ -154,16 +155,7 @@ class RunPlan:
     def from_json(cls, path: str | Path) -> "RunPlan":
         """Load a plan written by :meth:`to_json`, re-checking it (see the module docstring)."""
         path = Path(path)
-        try:
-            doc = json.loads(path.read_text())
-        except OSError:
-            raise CorrnoiseError("plan", f"cannot read {str(path)!r}") from None
-        except json.JSONDecodeError as exc:
-            raise CorrnoiseError("plan", f"{str(path)!r} is not valid JSON ({exc.msg})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CorrnoiseError("plan", f"{str(path)!r} is not a corrnoise plan file")
-        if doc.get("version") != VERSION:
-            raise CorrnoiseError("plan", f"unsupported plan file version {doc.get('version')!r} (expected {VERSION})")
+        doc = read_json_document(path, FORMAT, VERSION, "plan", "plan file")
         try:
             return _load(doc, path)
         except CorrnoiseError:

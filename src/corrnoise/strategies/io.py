@@ -88,20 +88,26 @@ def mechanism_fingerprint(strategy: Strategy) -> str:
     return h.hexdigest()
 
 
-def read_mechanism_document(path: str | Path) -> dict[str, Any]:
-    """The JSON document of a mechanism file, validated."""
+def read_json_document(path: str | Path, fmt: str, version: int, param: str, what: str) -> dict[str, Any]:
+    """The JSON document at ``path`` if it says it is ``fmt`` of ``version`` (corrnoise's file
+    formats: mechanism files, plan files), else one line naming ``param``."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
     except OSError:
-        raise CorrnoiseError("mechanism", f"cannot read {str(path)!r}") from None
+        raise CorrnoiseError(param, f"cannot read {str(path)!r}") from None
     except json.JSONDecodeError as exc:
-        raise CorrnoiseError("mechanism", f"{str(path)!r} is not valid JSON ({exc.msg})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorrnoiseError("mechanism", f"{str(path)!r} is not a corrnoise mechanism file")
-    if doc.get("version") != VERSION:
-        raise CorrnoiseError("mechanism", f"unsupported mechanism file version {doc.get('version')!r} (expected {VERSION})")
+        raise CorrnoiseError(param, f"{str(path)!r} is not valid JSON ({exc.msg})") from None
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise CorrnoiseError(param, f"{str(path)!r} is not a corrnoise {what}")
+    if doc.get("version") != version:
+        raise CorrnoiseError(param, f"unsupported {what} version {doc.get('version')!r} (expected {version})")
     return doc
+
+
+def read_mechanism_document(path: str | Path) -> dict[str, Any]:
+    """The JSON document of a mechanism file, validated."""
+    return read_json_document(path, FORMAT, VERSION, "mechanism", "mechanism file")
 
 
 def load_mechanism(path: str | Path, n: int | None = None) -> Strategy:
