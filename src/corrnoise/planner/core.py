@@ -41,22 +41,25 @@ Order of work (analytic first, Monte Carlo only where it can still win).  Every 
 (a design whose optimization fails is dropped with its reason in :attr:`PlanResult.dropped`), then:
 
 1. analytic candidates (DP-SGD PLD, unamplified Gaussian, BandMF block-cyclic PLD) are calibrated
-   -- PLD with a 1e-3 discretization while screening (still a pessimistic, formal guarantee) --
-   and the best of them (DP-SGD winning a tie within ``DPSGD_TIE_MARGIN``) is finalized with the
-   default discretization;
+   -- PLD with a 1e-3 discretization while screening: still a pessimistic, formal guarantee;
 2. every balls-in-bins (Monte Carlo) candidate gets a deterministic lower bound on its rms_error,
    lower_noise * ||A C^-1||_F / sqrt(n) (:func:`corrnoise.accounting.montecarlo.noise_lower_bound`:
    a hockey-stick lower bound of the Lemma 3.2 pair; every verified guarantee for it has more
    noise); a verified guarantee already in the cache (:mod:`corrnoise.accounting.cache`) makes
    it final at once;
 3. branch and bound (:func:`_search_monte_carlo`): a Monte Carlo candidate is considered only
-   while its lower bound is below ``(1 - IMPROVEMENT_MARGIN)`` times the best final rms_error --
-   a candidate that cannot beat the best by that margin is never screened, let alone verified
+   while its lower bound is below ``(1 - IMPROVEMENT_MARGIN)`` times the best rms_error of a
+   formal guarantee so far (an analytic screening or a final one) -- a candidate that cannot beat
+   the best by that margin is never screened, let alone verified
    (:data:`~.constants.IMPROVEMENT_MARGIN`).  Those left get a 2^15-sample estimate (``kind:
    "estimate"``, aimed at delta / tau as verification is), the plausible ones (estimate within
-   ``SCREEN_NOISE_MARGIN`` of that bar) a 2^20-sample estimate, and the best of those estimates,
-   if it beats the bar, the full calibration with fresh-sample verification
-   (Estimate-Verify-Release, seed 000 Thm 2.1); the bar moves with every new final guarantee.
+   ``SCREEN_NOISE_MARGIN`` of that bar) a 2^20-sample estimate of their verified noise, and the
+   best of those estimates, if it beats the bar, the full calibration with fresh-sample
+   verification (Estimate-Verify-Release, seed 000 Thm 2.1); the bar moves with every new final
+   guarantee;
+4. the recommendation (:func:`best_final` with :func:`_preferred`) among the analytic candidates
+   and the verified Monte Carlo ones: the preferred analytic one, and any within the screening
+   noise of the best, re-calibrated with the default discretization (starting from the screening).
 
 Why the bound is safe for the *choice*: a skipped candidate's verified rms_error would be above its
 lower bound (but with the verification's failure probability, <= 1e-3 delta), so above the bar,
@@ -548,11 +551,13 @@ def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: lis
               seed: int | None, screen_samples: int) -> Candidate:
     """The recommendation (:func:`_preferred` among final guarantees) or a one-line error: the
     analytic candidates finalized first, then the Monte Carlo search (module docstring)."""
-    best_final(candidates, setup, keep=lambda c: not c.monte_carlo, choose=_preferred)
     _search_monte_carlo(candidates, setup, report, seed, screen_samples, epsilon_errors)
-    pool = [c for c in candidates if c.feasible and c.calibrated and c.final]
-    if pool:
-        return _preferred(pool)
+    # the analytic candidates last: finalize the preferred one (and its rivals within the screening
+    # noise) among them and the verified Monte Carlo ones -- an unverified Monte Carlo estimate
+    # never enters (the search decided what is worth verifying)
+    best = best_final(candidates, setup, keep=lambda c: not c.monte_carlo or c.final, choose=_preferred)
+    if best is not None:
+        return best
     if not any(c.calibrated for c in candidates) or all(
             c.noise_multiplier is None or c.noise_multiplier > MAX_NOISE_MULTIPLIER for c in candidates):
         why = epsilon_errors[0] if epsilon_errors else "no candidate could be calibrated"
@@ -565,9 +570,11 @@ def _finalize(candidates: list[Candidate], setup: PlanSetup, epsilon_errors: lis
 
 def _bar(candidates: list[Candidate]) -> float:
     """What a Monte Carlo candidate's rms_error must be below to be worth its verification:
-    (1 - IMPROVEMENT_MARGIN) times the best final rms_error (inf while none is final)."""
-    finals = [c.rms_error for c in candidates if c.final and c.feasible and c.calibrated]
-    return (1.0 - IMPROVEMENT_MARGIN) * min(finals) if finals else math.inf
+    (1 - IMPROVEMENT_MARGIN) times the best rms_error of a formal guarantee -- final, or an
+    analytic screening (PLD at a coarser discretization is pessimistic: at least the final
+    number, so the bar is never lower than with final ones) -- inf while there is none."""
+    held = [c.rms_error for c in candidates if c.feasible and c.calibrated and c.kind == "guarantee"]
+    return (1.0 - IMPROVEMENT_MARGIN) * min(held) if held else math.inf
 
 
 def _cached_final(cand: Candidate, setup: PlanSetup) -> bool:
