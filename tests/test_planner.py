@@ -401,3 +401,53 @@ def test_error_curve_of_a_monte_carlo_candidate_falls_with_epsilon():
     values = [r for _, r in curve]
     assert all(v is not None for v in values) and values[0] > values[1] > values[2]
     assert values[1] == pytest.approx(rec.rms_error, rel=0.15)  # a screening estimate near the verified pick
+
+
+def test_a_planned_monte_carlo_guarantee_leaves_room_for_every_verification_it_was_chosen_from(monkeypatch):
+    """The planner releases one of up to MAX_FINALIZE verified candidates (or falls back to an
+    analytic one): its Monte Carlo guarantee is stated at the run's delta, verified at delta_v with
+    delta_v + K * (each verification's failure probability) <= delta (selection_delta)."""
+    from corrnoise.accounting.montecarlo import release
+    from corrnoise.planner.constants import MAX_FINALIZE
+
+    seen = []
+    real = release.verify_privacy
+    monkeypatch.setattr(release, "verify_privacy", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    delta = 1e-3
+    result = plan(steps=16, epochs=2, epsilon=2.0, delta=delta, pipeline="balls-in-bins", only="dpsgd,blt",
+                  progress=False, **FAST)
+    rec = result.recommended
+    assert rec.accounting == "mc" and rec.result.kind == "guarantee" and rec.result.delta == delta
+    assert seen and len(seen) <= MAX_FINALIZE
+    for ver in seen:
+        assert ver.delta == rec.result.extras["verified_delta"] < delta
+        assert ver.delta + MAX_FINALIZE * ver.failure_probability <= delta
+
+
+def test_selection_delta_bounds_the_worst_choice_among_verified_candidates():
+    """Brute force over which candidates are bad (hockey-stick divergence 1, passing with the
+    failure probability f = 1e-3 delta_v each) and good (divergence delta_v, always passing), with
+    the choice preferring any bad one that passed: the released mixture's divergence
+    sum_j Pr[J = j] H_j is at most delta with selection_delta, and above it for delta_v = delta."""
+    import itertools
+
+    from corrnoise.accounting.montecarlo import selection_delta
+    from corrnoise.accounting.montecarlo.inputs import DEFAULT_FAILURE_FRACTION
+
+    delta = 1e-5
+    for k in range(1, 6):
+        for bad in itertools.product([False, True], repeat=k):
+            for delta_v, must_hold in ((selection_delta(delta, k), True), (delta, False)):
+                f = DEFAULT_FAILURE_FRACTION * delta_v
+                divergence, untaken = 0.0, 1.0
+                for is_bad in sorted(bad, reverse=True):  # bad candidates first: the worst choice
+                    if is_bad:
+                        divergence += untaken * f * 1.0
+                        untaken *= 1.0 - f
+                    else:
+                        divergence += untaken * delta_v
+                        untaken = 0.0
+                if must_hold:
+                    assert divergence <= delta * (1 + 1e-12), (k, bad)
+                elif any(bad) and not all(bad):  # a good fallback behind a bad pass: over delta
+                    assert divergence > delta, (k, bad)

@@ -65,7 +65,10 @@ Why the bound is safe for the *choice*: a skipped candidate's verified rms_error
 lower bound (but with the verification's failure probability, <= 1e-3 delta), so above the bar,
 so it could not have been recommended by more than the margin.  The *privacy* of what is
 recommended never rests on a bound or an estimate: only a final, formal guarantee is recommended,
-and only guarantees (verified for Monte Carlo) are cached.
+and only guarantees (verified for Monte Carlo) are cached.  The recommendation is chosen from the
+outcomes of up to MAX_FINALIZE verifications (cached ones count), so each verifies
+delta_v = delta / (1 + MAX_FINALIZE * 1e-3) and the chosen one is stated at delta
+(:func:`corrnoise.accounting.montecarlo.selection_delta`: Thm 2.1 for a selection).
 
 Numbers per candidate (docs/design.md conventions, unit clip norm, prefix workload):
 ``rms_error = noise_std ||A C^-1||_F / sqrt(n)``, ``max_error = noise_std max_t ||(A C^-1)[t]||``;
@@ -243,7 +246,32 @@ def _mc_final(strategy, bat, epsilon: float, delta: float, progress):
     from the cache if it holds one for this event, stored there otherwise."""
     from ..accounting.cache import cached_calibrate
 
-    return cached_calibrate(strategy, bat, epsilon=epsilon, delta=delta, samples=FINAL_MC_SAMPLES, progress=progress)
+    res = cached_calibrate(strategy, bat, epsilon=epsilon, delta=_verified_delta(delta), samples=FINAL_MC_SAMPLES,
+                           progress=progress)
+    return _as_selected(res, delta)
+
+
+def _verified_delta(delta: float) -> float:
+    """What each Monte Carlo verification of a plan verifies: the planner verifies up to
+    MAX_FINALIZE candidates and releases one chosen from the outcomes, which is (epsilon, delta)-DP
+    only if each verified delta_v leaves room for the others' failure probabilities
+    (:func:`corrnoise.accounting.montecarlo.selection_delta`)."""
+    from ..accounting.montecarlo import selection_delta
+
+    return selection_delta(delta, MAX_FINALIZE)
+
+
+def _as_selected(res, delta: float):
+    """A verified Monte Carlo guarantee at delta_v (:func:`_verified_delta`) restated as what it is
+    once the planner chose it: (epsilon, delta)-DP for the selection (``extras["verified_delta"]``
+    keeps delta_v and ``extras["selection_verifications"]`` the K of the argument)."""
+    from ..accounting.base import PrivacyResult
+
+    if res.kind != "guarantee":  # pragma: no cover - calibrate() only releases guarantees
+        return res
+    return PrivacyResult(res.epsilon, delta, res.noise_std, res.noise_multiplier, res.method,
+                         {**res.extras, "verified_delta": res.delta, "selection_verifications": MAX_FINALIZE},
+                         res.kind)
 
 
 def _mc_start(lower_noise: float | None) -> tuple[float, float] | None:
@@ -268,9 +296,10 @@ def _mc_candidate_estimate(strategy, bat, epsilon: float, delta: float, seed: in
     from ..accounting.montecarlo.release import verification_margin_z
 
     red = reduce_balls_in_bins(strategy.matrix(), bat.bins)
-    z_final = verification_margin_z(DEFAULT_MARGIN_Z, FINAL_MC_SAMPLES, verification_samples(delta, DEFAULT_TAU))
+    z_final = verification_margin_z(DEFAULT_MARGIN_Z, FINAL_MC_SAMPLES,
+                                   verification_samples(_verified_delta(delta), DEFAULT_TAU))
     z = z_final * math.sqrt(ESTIMATE_MC_SAMPLES / FINAL_MC_SAMPLES)
-    cal = calibrate_noise_std(red, bat.bins, epsilon, delta / DEFAULT_TAU, ESTIMATE_MC_SAMPLES, seed, z,
+    cal = calibrate_noise_std(red, bat.bins, epsilon, _verified_delta(delta) / DEFAULT_TAU, ESTIMATE_MC_SAMPLES, seed, z,
                               _reduced=red, start=_mc_start(lower_noise))
     return _estimate_result(cal, red, epsilon, delta)
 
@@ -583,10 +612,11 @@ def _cached_final(cand: Candidate, setup: PlanSetup) -> bool:
     from ..accounting.cache import cached_guarantee
 
     t0 = time.perf_counter()
-    res = cached_guarantee(cand.strategy, parse_batching(cand.batching), epsilon=setup.epsilon, delta=setup.delta,
-                           samples=FINAL_MC_SAMPLES)
+    res = cached_guarantee(cand.strategy, parse_batching(cand.batching), epsilon=setup.epsilon,
+                           delta=_verified_delta(setup.delta), samples=FINAL_MC_SAMPLES)
     if res is None:
         return False
+    res = _as_selected(res, setup.delta)
     _apply(cand, res, True, time.perf_counter() - t0)
     cand.stage = "verified"
     return True
@@ -604,10 +634,12 @@ def _search_monte_carlo(candidates: list[Candidate], setup: PlanSetup, report: P
     failed verification rules it out).  Repeats with the new bar, at most MAX_FINALIZE
     verifications."""
     mc = sorted((c for c in candidates if c.monte_carlo and c.lower_rms is not None), key=lambda c: c.lower_rms)
-    for cand in mc:
-        if cand.feasible:
-            _cached_final(cand, setup)
+    # a cached verified guarantee is one of the verifications the choice is made from (Thm 2.1 for a
+    # selection, :func:`_verified_delta`): together with the fresh ones, at most MAX_FINALIZE
     verifications = 0
+    for cand in mc:
+        if cand.feasible and verifications < MAX_FINALIZE and _cached_final(cand, setup):
+            verifications += 1
     while verifications < MAX_FINALIZE:
         bar = _bar(candidates)
         open_ = [c for c in mc if c.feasible and not c.final and c.lower_rms < bar]

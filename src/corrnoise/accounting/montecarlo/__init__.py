@@ -65,7 +65,8 @@ from .inputs import (_CHUNK_ELEMENTS, _PILOT_SAMPLES, _STREAM_CALIBRATE, _STREAM
                      verification_seed)
 from .pair import DominatingPair, balls_in_bins_modes, dominating_pair
 from .release import (MonteCarloResult, Verification, account_balls_in_bins, delta_candidate, failure_probability,
-                      release_verified, verification_calibration, verification_samples, verify_privacy)
+                      release_verified, selection_delta, verification_calibration, verification_samples,
+                      verify_privacy)
 from .sampling import (ReducedPair, _chunks, _exp_rows, _hockey, _Losses, _lse_bins, _lse_shift, _map_chunks,
                        _Offsets, reduce_balls_in_bins)
 
@@ -85,6 +86,7 @@ __all__ = [
     "calibrate_noise_std",
     "verify_privacy",
     "failure_probability",
+    "selection_delta",
     "verification_samples",
     "account_balls_in_bins",
     "DEFAULT_SAMPLES",

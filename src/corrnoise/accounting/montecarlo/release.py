@@ -40,6 +40,26 @@ def verification_samples(delta: float, tau: float = DEFAULT_TAU,
     return int(math.ceil(math.log(2.0 / failure) / rate))
 
 
+def selection_delta(delta: float, verifications: int,
+                    failure_fraction: float = DEFAULT_FAILURE_FRACTION) -> float:
+    """delta_v: what each of up to ``verifications`` (K) Estimate-Verify-Release runs must verify so
+    that releasing one mechanism *chosen from their outcomes* (the best that passed, else one
+    with an analytic guarantee) is (epsilon, ``delta``)-DP -- the planner's situation.
+
+    Seed 000 Thm 2.1 covers one verification with nothing released on failure.  With a choice J
+    made from the verification samples only (never from the data), joint convexity of the
+    hockey-stick divergence gives H(A(D), A(D')) <= sum_j Pr[J = j] H_j.  A mechanism with
+    H_j <= delta_v contributes at most Pr[J = j] delta_v; one with H_j > delta_v passes its
+    verification (threshold delta_v / tau) with probability at most f = failure_fraction * delta_v
+    (Thm 2.2 with :func:`verification_samples`), so it contributes at most f.  Hence
+    H <= delta_v + K f = delta_v (1 + K failure_fraction), which is ``delta`` for
+    delta_v = delta / (1 + K failure_fraction)."""
+    delta = _check_delta(delta)
+    verifications = check_int("verifications", verifications, minimum=1)
+    failure_fraction = check_real("failure_fraction", failure_fraction, low=0.0, low_open=True)
+    return delta / (1.0 + verifications * failure_fraction)
+
+
 #: Most verification samples a run may ask for (at delta 1e-6 it needs 1.1e9; 1e-7 would need 1.3e10,
 #: hours on a CPU): past it, a verified guarantee is refused before any sampling instead of running on.
 MAX_VERIFY_SAMPLES = 1 << 31
