@@ -10,7 +10,8 @@ Cases:
   readme   make_private(mechanism="auto") on 2,048 x 20 features, batch 256, 10 epochs, (4, 1e-5)
   adapter  PrivacyEngine.make_private_with_epsilon on scikit-learn digits (1,437 train), batch 143,
            5 epochs (50 steps), mechanism auto, (8, 1e-5)
-  makerun  the planning of `make run`: plan(20,000, batch 200, 10 epochs, (4, 1e-5)), pipeline auto
+  makerun  the planning of `make run`: plan(20,000, batch 400, 10 epochs, (4, 1e-5)), pipeline auto
+           (batch 200 before 2026-11-25 22:00 UTC)
   cli50k   `corrnoise plan --dataset-size 50000 --batch-size 500 --epochs 20 --epsilon 2 --delta 1e-5`
            (a subprocess; stdout is not a terminal)
 
@@ -81,7 +82,7 @@ def case_makerun() -> dict:
     from corrnoise.planner import plan
 
     t0 = time.perf_counter()
-    res = plan(dataset_size=20000, batch_size=200, epochs=10, epsilon=4.0, delta=1e-5)
+    res = plan(dataset_size=20000, batch_size=400, epochs=10, epsilon=4.0, delta=1e-5)
     return {"seconds": time.perf_counter() - t0, **_rec(res.recommended)}
 
 
