@@ -515,6 +515,29 @@ def test_opacus_make_private_with_a_noise_multiplier_is_dp_sgd():
     assert math.isclose(opt.noise_multiplier, 1.1)
 
 
+def test_opacus_make_private_with_a_plan_file_trains_the_planned_run(tmp_path):
+    from corrnoise.runplan import plan_run
+    from corrnoise.strategies import mechanism_fingerprint
+    from corrnoise.torch.opacus_adapter import PrivacyEngine
+
+    plan = plan_run(dataset_size=64, batch_size=16, mechanism="bsr:2", batching="cyclic", epsilon=4.0, delta=1e-5,
+                    epochs=2)
+    path = plan.to_json(tmp_path / "plan.json")
+    model = _mlp()
+    engine = PrivacyEngine()
+    _, opt, _ = engine.make_private_with_plan(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                              data_loader=DataLoader(_data(), batch_size=16), plan=str(path),
+                                              max_grad_norm=1.0)
+    assert mechanism_fingerprint(opt.strategy) == plan.fingerprint and opt.noise_std == plan.noise_std
+    assert engine.get_epsilon(1e-5) == 0.0  # nothing released yet
+    assert opt.run_guarantee(1e-5).epsilon == plan.guarantee.epsilon
+    with pytest.raises(CorrnoiseError) as e:  # the plan decides the noise
+        engine.make_private_with_plan(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      data_loader=DataLoader(_data(), batch_size=16), plan=plan, max_grad_norm=1.0,
+                                      noise_multiplier=1.0)
+    assert e.value.param == "noise_multiplier"
+
+
 def test_a_checkpoint_of_another_mechanism_with_the_same_label_is_refused():
     """Two 2-buffer BLTs are both labelled blt(d=2); the checkpoint's fingerprint of C tells them
     apart (adopting the other's noise and guarantee would report an epsilon the run does not have)."""

@@ -133,6 +133,8 @@ def test_a_changed_mechanism_parameter_is_refused(tmp_path):
     ("gaussian", "delta", lambda d: d.update(delta=1e-6)),
     ("gaussian", "guarantee", lambda d: d["guarantee"].update(kind="estimate")),
     ("given-noise", "estimate", lambda d: d.update(accounting_options={"estimate": True})),
+    ("bandmf", "guarantee", lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] * 0.99)),  # PLD
+    ("gaussian", "guarantee", lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] * 0.99)),
 ])
 def test_a_tampered_plan_is_refused_naming_the_field(tmp_path, case, field, change):
     path = _plan(case).to_json(tmp_path / "plan.json")
@@ -332,3 +334,30 @@ def test_accounting_must_match_the_sampler():
 
 def test_balls_in_bins_accounted_steps_round_up_to_whole_epochs():
     assert [balls_in_bins_accounted_steps(t, 5) for t in (1, 4, 5, 6, 10, 11)] == [5, 5, 5, 10, 10, 15]
+
+
+def _mc_plan():
+    return plan_run(dataset_size=N, batch_size=B, mechanism="dpcgd:0.5", batching="balls-in-bins", epsilon=2.0,
+                    delta=1e-3, epochs=2)
+
+
+def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_guarantee(tmp_path, monkeypatch):
+    """A plan file's epsilon is a claim: balls-in-bins guarantees are read from the cache of verified
+    guarantees or verified afresh on load; an edited epsilon fails that verification."""
+    from corrnoise.accounting import montecarlo
+
+    calls = []
+    real = montecarlo.verify_privacy
+    monkeypatch.setattr(montecarlo, "verify_privacy", lambda *a, **k: calls.append(a[2:4]) or real(*a, **k))
+    monkeypatch.setenv("CORRNOISE_CACHE", str(tmp_path / "cache"))
+    plan = _mc_plan()
+    assert plan.method == "mc" and plan.guarantee.kind == "guarantee"
+    path = plan.to_json(tmp_path / "plan.json")
+    calls.clear()
+    assert RunPlan.from_json(path).guarantee.to_dict() == plan.guarantee.to_dict()
+    assert not calls  # the cache holds the guarantee make_private verified
+    monkeypatch.setenv("CORRNOISE_CACHE", "off")
+    assert RunPlan.from_json(path).guarantee.to_dict() == plan.guarantee.to_dict()
+    assert calls == [(plan.noise_std, plan.guarantee.epsilon)]
+    _tamper(path, lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] / 2))
+    assert "verification" in _refused(path, "verify")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from ..accounting import PrivacyResult, calibrate, column_norm
+from ..accounting import PrivacyResult, column_norm
+from ..accounting.cache import cached_calibrate
 from ..accounting.base import require_guarantee
 from ..errors import CorrnoiseError, check_int, check_real
 from ..pipelines import AUTO, BATCHINGS, PIPELINES, pipeline_of
@@ -315,8 +316,11 @@ def _plan_private(num_examples, *, mechanism, delta, epsilon, noise_std, noise_m
     refuse_non_guarantees(accounting_options)
     result = None
     if epsilon is not None:
-        result = require_guarantee(calibrate(agreement.event, epsilon=epsilon, delta=delta,
-                                             method=accounting_method, **(accounting_options or {})), "training")
+        # through the cache of verified guarantees: the same run planned again (or its plan file
+        # loaded, value._reproved) reads the guarantee instead of sampling ~1e8 Monte Carlo draws
+        result = require_guarantee(cached_calibrate(agreement.event, epsilon=epsilon, delta=delta,
+                                                    method=accounting_method, **(accounting_options or {})),
+                                   "training")
         nu = result.noise_std
     elif noise_std is not None:
         nu = check_real("noise_std", noise_std, low=0.0, low_open=True)

@@ -6,6 +6,9 @@ large arrays, ``<stem>.mechanism.npz``). Loading re-checks everything the plan c
 content: the mechanism's fingerprint equals the recorded one, the sampler it names is the one it
 describes, the batching is the sampler's, the accounting gate passes, and the guarantee is of
 exactly this run (:func:`corrnoise.accounting.run_identity`) with this noise_std and delta.
+The guarantee's epsilon is a claim until this code proves it again (:func:`_reproved`): analytic
+accounting is re-run at the plan's noise; a Monte Carlo guarantee is read from the cache of
+verified guarantees or verified afresh (seed 000 Thm 2.1; ~1e8 samples at delta 1e-5).
 Any disagreement is a one-line CorrnoiseError naming the field.
 """
 
@@ -200,7 +203,8 @@ def _load(doc: dict[str, Any], path: Path) -> RunPlan:
     method = prepare(event.without_noise(), doc.get("accounting_method", "auto")).name
     if method != doc["method"]:
         raise CorrnoiseError("method", f"the plan says {doc['method']!r} but the gate chooses {method!r} for this run")
-    guarantee = None if doc["guarantee"] is None else _checked_guarantee(doc["guarantee"], event, delta)
+    guarantee = None if doc["guarantee"] is None else _reproved(
+        _checked_guarantee(doc["guarantee"], event, delta), event, method, options)
     epochs = doc.get("epochs")
     plan = RunPlan(strategy, sampler, event, method, guarantee, sampler.num_examples, sampler.batch_size,
                    None if epochs is None else check_real("epochs", epochs, low=0.0, low_open=True),
@@ -230,3 +234,49 @@ def _checked_guarantee(data: Any, event: MechanismEvent, delta: float) -> Privac
     if guarantee.delta > delta:
         raise CorrnoiseError("delta", f"the plan's guarantee has delta {guarantee.delta:g} > the plan's {delta:g}")
     return guarantee
+
+
+def _reproved(guarantee: PrivacyResult, event: MechanismEvent, method: str, options: dict[str, Any]) -> PrivacyResult:
+    """The plan file's guarantee once this code has proved it again for the plan's noise, or a
+    one-line error naming ``guarantee``: a file's epsilon is what someone wrote, and training
+    reports it as spent.
+
+    Analytic methods: epsilon(delta) re-accounted (deterministic: the same number, up to
+    rounding).  Monte Carlo (balls-in-bins): a verified guarantee in the cache for this event,
+    epsilon and a delta that leaves room for the planner's selection
+    (:func:`corrnoise.accounting.montecarlo.selection_delta`), at no more noise than the plan's;
+    else a fresh verification at the plan's (epsilon, delta) (Estimate-Verify-Release, seed 000
+    Thm 2.1: a failure releases nothing)."""
+    if method != "mc" or event.batching.bins == 1:  # one bin: the exact Gaussian mechanism, no sampling
+        from ..accounting import account
+
+        again = account(event, delta=guarantee.delta, method=method, **options)
+        if again.epsilon > guarantee.epsilon * (1.0 + 1e-9) + 1e-12:
+            raise CorrnoiseError("guarantee", f"the plan says epsilon {guarantee.epsilon:.6g} but its noise_std gives "
+                                 f"{again.epsilon:.6g} ({method}): the file was edited or made by other code")
+        return guarantee
+    if _verified_in_cache(guarantee, event):
+        return guarantee
+    from ..accounting.montecarlo import release_verified, verify_privacy
+    from ..progress import LineProgress
+
+    release_verified(verify_privacy(event.mechanism.matrix(), event.batching.bins, event.noise_std,
+                                    guarantee.epsilon, guarantee.delta,
+                                    progress=LineProgress("corrnoise plan file: verifying its guarantee")))
+    return guarantee
+
+
+def _verified_in_cache(guarantee: PrivacyResult, event: MechanismEvent) -> bool:
+    """Whether the cache holds a verified guarantee for this event and epsilon, at no more noise
+    than the plan's, verified at the plan's delta or at the planner's delta_v for it."""
+    from ..accounting.cache import cached_guarantee
+    from ..accounting.montecarlo import selection_delta
+    from ..planner.constants import FINAL_MC_SAMPLES, MAX_FINALIZE
+
+    for verified_at in (guarantee.delta, selection_delta(guarantee.delta, MAX_FINALIZE)):
+        for options in ({"samples": FINAL_MC_SAMPLES}, {}):  # the planner's calibration, make_private's
+            hit = cached_guarantee(event.without_noise(), epsilon=guarantee.epsilon, delta=verified_at,
+                                   method="mc", **options)
+            if hit is not None and hit.noise_std <= event.noise_std:
+                return True
+    return False

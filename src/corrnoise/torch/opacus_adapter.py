@@ -28,6 +28,7 @@ amplification); clipping is flat; the noise comes from corrnoise's generator (se
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -135,6 +136,34 @@ class PrivacyEngine:
                                 kwargs=dict(kwargs, epsilon=target_epsilon, delta=target_delta, epochs=epochs,
                                             steps=steps, max_grad_norm=max_grad_norm, mechanism=mechanism,
                                             loss_reduction=loss_reduction))
+
+    def make_private_with_plan(
+        self,
+        *,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: torch.utils.data.DataLoader,
+        plan: Any,
+        max_grad_norm: float,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        clipping: str = "flat",
+        noise_generator=None,
+        **kwargs: Any,
+    ) -> tuple[torch.nn.Module, DPOptimizer, DPDataLoader]:
+        """``(module, optimizer, data_loader)`` for a run planned beforehand (not in Opacus): ``plan``
+        a :class:`corrnoise.runplan.RunPlan` or the path of its file (``corrnoise plan --plan-out``,
+        re-checked on load). The plan decides mechanism, batching, noise and guarantee; the loader
+        must be the plan's data and batch size."""
+        from ..runplan import RunPlan
+
+        if isinstance(plan, (str, os.PathLike)):
+            plan = RunPlan.from_json(plan)
+        kwargs = dict(kwargs, plan=plan, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction)
+        kwargs.setdefault("batching", "auto")
+        kwargs.setdefault("accounting_method", "auto")
+        return self._front_door(module, optimizer, data_loader, batch_first=batch_first, poisson_sampling=True,
+                                clipping=clipping, noise_generator=noise_generator, kwargs=kwargs)
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon at ``delta`` of what the last private optimizer released so far, instantly: the
