@@ -1,0 +1,116 @@
+"""Noise-memory budget (issue #27 item 5): the byte formula against the generators' real state,
+size parsing, the planner's budget (GPT-2 small acceptance), make_private and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_strategies
+from hypothesis import given
+from hypothesis import strategies as st
+
+from corrnoise.errors import CorrnoiseError
+from corrnoise.noise import make_generator
+from corrnoise.noise_memory import (NoiseBudget, dtype_itemsize, noise_budget, noise_state_bytes, noise_state_vectors,
+                                    parse_size, vectors_within)
+from corrnoise.strategies import BLT, DPCGD, BandedInverseSqrt, BandedSqrt, Identity, OnlineTree
+
+GPT2_SMALL = 124_439_808
+FAST = dict(screen_samples=1 << 11, seed=1, progress=False)
+SHAPES = [(37, 11), (5,), (3, 4, 6)]  # a small model: 484 coordinates in three tensors
+M = 37 * 11 + 5 + 3 * 4 * 6
+
+
+def _state_bytes(gen) -> int:
+    """Bytes of the model-size tensors the generator object holds (its attributes, counted
+    directly: any tensor whose last dimension is the model's coordinates)."""
+    total = 0
+    for value in vars(gen).values():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[-1] == gen.size:
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _regenerable(strategy) -> bool:
+    try:
+        strategy.regeneration_stream()
+    except CorrnoiseError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("method", ["auto", "regenerate"])
+def test_formula_matches_the_generators_state(dtype, method):
+    """Every strategy kind (and its column-normalized forms): the formula equals the bytes of the
+    state tensors of the generator make_generator builds, before and after some steps."""
+    n = 12
+    kinds = set()
+    for strategy in random_strategies(n):
+        if method == "regenerate" and not _regenerable(strategy):
+            continue
+        gen = make_generator(strategy, SHAPES, seed=3, dtype=dtype, method=method)
+        kinds.add(gen.kind)
+        expected = noise_state_bytes(strategy, M, str(dtype), method)
+        assert _state_bytes(gen) == expected, strategy.label
+        for _ in range(5):
+            gen.next()
+        assert _state_bytes(gen) == expected, strategy.label  # no state grows with the steps
+        kept = sum(v.numel() * v.element_size() for v in gen.state_dict()["buffers"].values())
+        assert kept == expected, strategy.label
+    if method == "auto":  # every generator class was built
+        assert kinds == {"iid", "banded", "blt", "dpcgd", "regenerate", "tree"}
+
+
+@pytest.mark.parametrize("strategy, vectors", [
+    (Identity(64), 0), (BandedSqrt(64, 8), 7), (BLT([0.3, 0.2, 0.1, 0.05], [0.9, 0.7, 0.5, 0.2], 64), 4),
+    (DPCGD(0.9, 64), 0), (BandedInverseSqrt(64, 8), 0), (OnlineTree(64), 0), (OnlineTree(64, "ls"), 6),
+])
+def test_vectors_per_kind(strategy, vectors):
+    """The docstring's table: banded b - 1, BLT d, tree:ls the bit length of n - 1, the rest 0."""
+    assert noise_state_vectors(strategy) == vectors
+    assert noise_state_vectors(strategy, "regenerate") == 0
+    assert noise_state_bytes(strategy, GPT2_SMALL, "float32") == vectors * GPT2_SMALL * 4
+
+
+@given(st.integers(1, 10 ** 12), st.sampled_from(["float64", "float32", "float16", "bfloat16"]),
+       st.integers(1, 9))
+def test_bytes_are_linear_in_params_and_itemsize(params, dtype, d):
+    blt = BLT([0.1] * d, [0.5] * d, 16)
+    assert noise_state_bytes(blt, params, dtype) == d * params * dtype_itemsize(dtype)[1]
+    assert vectors_within(noise_state_bytes(blt, params, dtype), params, dtype) == d
+
+
+@pytest.mark.parametrize("text, size", [
+    ("2GB", 2 * 10 ** 9), ("512MiB", 512 * 2 ** 20), ("2e9", 2 * 10 ** 9), ("1.5 GiB", 3 * 2 ** 29),
+    ("100", 100), ("64kb", 64_000), ("3 TB", 3 * 10 ** 12), (2_000_000_000, 2 * 10 ** 9), (2e9, 2 * 10 ** 9),
+])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("bad", ["", "2 GBs", "two GB", "-1GB", "1e400", "GB", True, None, [2]])
+def test_parse_size_refuses_with_one_line(bad):
+    with pytest.raises(CorrnoiseError) as err:
+        parse_size(bad)
+    assert err.value.param == "max_noise_memory" and "\n" not in str(err.value)
+
+
+@given(st.integers(0, 10 ** 15), st.sampled_from(["", "B", "kB", "MiB", "GiB", "gb"]))
+def test_parse_size_of_integers(k, unit):
+    scale = {"": 1, "b": 1, "kb": 10 ** 3, "mib": 2 ** 20, "gib": 2 ** 30, "gb": 10 ** 9}[unit.lower()]
+    assert parse_size(f"{k}{unit}") == k * scale
+
+
+def test_budget_method_for_names_what_fits():
+    budget = noise_budget("2GB", GPT2_SMALL, torch.float32)
+    assert budget == NoiseBudget(2 * 10 ** 9, GPT2_SMALL, "float32")
+    assert budget.method_for(BLT([0.1] * 4, [0.5] * 4, 64)) == "auto"  # 4 x 498 MB = 1.99 GB
+    assert budget.method_for(BandedSqrt(1000, 64), "regenerate") == "regenerate"
+    with pytest.raises(CorrnoiseError) as err:
+        budget.method_for(BandedSqrt(1000, 64))
+    msg = str(err.value)
+    assert err.value.param == "max_noise_memory" and "\n" not in msg
+    assert "63 noise vectors" in msg and "at most 4 vectors" in msg and "regenerate" in msg
