@@ -114,3 +114,88 @@ def test_budget_method_for_names_what_fits():
     msg = str(err.value)
     assert err.value.param == "max_noise_memory" and "\n" not in msg
     assert "63 noise vectors" in msg and "at most 4 vectors" in msg and "regenerate" in msg
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner
+# ----------------------------------------------------------------------------------------------
+#: a quick cyclic setup: 16 steps per epoch, so bandmf:2..16, blt:1..4, tree and tree:ls (5 slots)
+QUICK = dict(steps=32, epochs=2, epsilon=4.0, delta=1e-5, pipeline="cyclic", only="dpsgd,bandmf,blt,dpcgd,tree")
+
+
+def test_gpt2_small_plan_within_2gb():
+    """Acceptance: GPT-2 small (124,439,808 float32 parameters) with max_noise_memory 2GB -- no
+    recommended or feasible candidate over 2 GB, and the plan says what it excluded."""
+    from corrnoise.planner import plan
+
+    result = plan(**QUICK, trainable_params=GPT2_SMALL, dtype="float32", max_noise_memory="2GB", **FAST)
+    budget = 2 * 10 ** 9
+    rec = result.recommended
+    assert rec.noise_memory_bytes <= budget
+    assert rec.noise_memory_bytes == noise_state_bytes(rec.strategy, GPT2_SMALL, "float32", rec.noise_method)
+    for c in result.candidates:
+        assert c.noise_memory_bytes == noise_state_bytes(c.strategy, GPT2_SMALL, "float32", c.noise_method)
+        if c.feasible or c.calibrated:
+            assert c.noise_memory_bytes <= budget, c.mechanism
+    # tree:ls keeps 5 node estimates (2.49 GB) and has no regenerated variant: excluded, said why
+    assert [e["candidate"] for e in result.excluded] == ["tree:ls"]
+    ls = next(c for c in result.candidates if c.mechanism == "tree:ls")
+    assert not ls.feasible and not ls.calibrated and "max_noise_memory" in ls.note
+    # bandmf:8 and :16 buffer 7 and 15 vectors: regenerated (same C, no buffers), not excluded
+    regen = {e["candidate"] for e in result.regenerated}
+    assert regen == {"bandmf:8", "bandmf:16"}
+    for c in result.candidates:
+        assert (c.noise_method == "regenerate") == (c.mechanism in regen)
+        if c.mechanism in regen:
+            assert c.feasible and c.memory_vectors == 0 and c.noise_memory_bytes == 0 and "regenerated" in c.note
+    data = json.loads(json.dumps(result.to_dict()))
+    assert all("noise_memory_bytes" in c for c in data["candidates"])
+    assert data["excluded"][0]["candidate"] == "tree:ls" and data["setup"]["max_noise_memory"] == budget
+
+
+def test_plan_without_budget_is_unchanged_but_reports_bytes():
+    from corrnoise.planner import plan
+
+    plain = plan(**QUICK, **FAST)
+    sized = plan(**QUICK, trainable_params=1000, dtype="bfloat16", **FAST)
+    assert "noise_memory_bytes" not in plain.to_dict()["candidates"][0]
+    assert "excluded" not in plain.to_dict() and "trainable_params" not in plain.to_dict()["setup"]
+    assert [(c.mechanism, c.batching, c.noise_std) for c in plain.candidates] == \
+           [(c.mechanism, c.batching, c.noise_std) for c in sized.candidates]
+    assert plain.recommended.mechanism == sized.recommended.mechanism
+    for c in sized.candidates:
+        assert c.noise_method == "auto" and c.noise_memory_bytes == c.memory_vectors * 1000 * 2
+
+
+def test_plan_excludes_past_the_regeneration_limit(monkeypatch):
+    """Where regenerated noise is not offered (n above the limit) the buffered family is excluded."""
+    from corrnoise.planner import budget, plan
+
+    monkeypatch.setattr(budget, "MAX_REGENERATE_N", 16)
+    result = plan(**{**QUICK, "only": "dpsgd,blt"}, trainable_params=10 ** 6, max_noise_memory="7MB", **FAST)
+    assert {e["candidate"] for e in result.excluded} == {"blt:4", "blt:2"}  # 16 MB and 8 MB; blt:1 4 MB fits
+    assert all("n <= 16" in e["reason"] for e in result.excluded)
+    assert result.recommended.noise_memory_bytes <= 7 * 10 ** 6
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_noise_memory="2GB"), "max_noise_memory"),
+    (dict(trainable_params=10, max_noise_memory="2 gigabytes"), "max_noise_memory"),
+    (dict(trainable_params=10, dtype="int8"), "dtype"),
+    (dict(trainable_params=0), "trainable_params"),
+])
+def test_plan_refuses_bad_budget(kwargs, param):
+    from corrnoise.planner import PlanSetup
+
+    with pytest.raises(CorrnoiseError) as err:
+        PlanSetup(epsilon=1.0, delta=1e-5, steps=10, epochs=1, **kwargs)
+    assert err.value.param == param and "\n" not in str(err.value)
+
+
+def test_plan_with_nothing_within_budget_says_so(monkeypatch):
+    from corrnoise.planner import budget, plan
+
+    monkeypatch.setattr(budget, "MAX_REGENERATE_N", 16)
+    with pytest.raises(CorrnoiseError) as err:
+        plan(**{**QUICK, "only": "blt"}, trainable_params=GPT2_SMALL, max_noise_memory="1MB", **FAST)
+    assert err.value.param == "max_noise_memory" and "dpsgd" in str(err.value) and "\n" not in str(err.value)
