@@ -34,8 +34,8 @@ from typing import Any
 
 from .errors import CorrnoiseError, check_int
 
-__all__ = ["NoiseBudget", "dtype_itemsize", "format_size", "noise_budget", "noise_state_bytes",
-           "noise_state_vectors", "parse_size", "vectors_within"]
+__all__ = ["NoiseBudget", "budgeted_noise_method", "dtype_itemsize", "format_size", "model_noise_budget", "noise_budget",
+           "noise_state_bytes", "noise_state_vectors", "parse_size", "vectors_within"]
 
 #: bytes per element of the floating-point dtypes a generator runs in
 _ITEMSIZE = {"float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
@@ -149,3 +149,27 @@ def noise_budget(max_noise_memory: Any, trainable_params: int, dtype: Any) -> No
         return None
     name, _ = dtype_itemsize(dtype)
     return NoiseBudget(parse_size(max_noise_memory), check_int("trainable_params", trainable_params, minimum=1), name)
+
+
+def model_noise_budget(max_noise_memory: Any, parameters) -> NoiseBudget | None:
+    """The budget for the noise of ``parameters`` (the trainable tensors, deduplicated): their
+    element count, and the dtype of the first (the generator's, as
+    :meth:`corrnoise.torch.privatizer.Privatizer.for_parameters` builds it)."""
+    if max_noise_memory is None:
+        return None
+    unique = list({id(p): p for p in parameters}.values())
+    if not unique:
+        raise CorrnoiseError("max_noise_memory", "the model has no trainable parameters to budget noise for")
+    return noise_budget(max_noise_memory, sum(int(p.numel()) for p in unique), unique[0].dtype)
+
+
+def budgeted_noise_method(budget: NoiseBudget | None, strategy, noise_method: str = "auto", planned=None) -> str:
+    """make_generator's method within ``budget``: for a planner recommendation (``planned``, a
+    :class:`~corrnoise.planner.PlanResult`) with ``noise_method="auto"`` the planner's choice
+    (regenerated where the buffers did not fit), then ``noise_method`` if the state fits, else
+    one line naming max_noise_memory (:meth:`NoiseBudget.method_for`)."""
+    if budget is None:
+        return noise_method
+    if noise_method == "auto" and planned is not None:
+        noise_method = planned.recommended.noise_method
+    return budget.method_for(strategy, noise_method)
