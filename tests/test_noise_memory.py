@@ -199,3 +199,61 @@ def test_plan_with_nothing_within_budget_says_so(monkeypatch):
     with pytest.raises(CorrnoiseError) as err:
         plan(**{**QUICK, "only": "blt"}, trainable_params=GPT2_SMALL, max_noise_memory="1MB", **FAST)
     assert err.value.param == "max_noise_memory" and "dpsgd" in str(err.value) and "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# make_private and the CLI
+# ----------------------------------------------------------------------------------------------
+def _private(mechanism, max_noise_memory, **kw):
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from corrnoise.torch.front import make_private
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))  # 195 float32 parameters
+    model[0].bias.requires_grad_(False)  # frozen: not counted (179 trainable)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    data = TensorDataset(torch.randn(80, 8), torch.randint(0, 3, (80,)))
+    _, private, _ = make_private(model, opt, DataLoader(data, batch_size=8), mechanism=mechanism, batching="cyclic",
+                                 epsilon=8.0, delta=1e-5, epochs=2, max_grad_norm=1.0,
+                                 max_noise_memory=max_noise_memory, noise_seed=0, **kw)
+    return private
+
+
+def test_make_private_auto_plans_within_the_budget():
+    """A family planned under a budget of 0 bytes: every bandmf design buffers, so the planner's
+    pick is regenerated, and the generator make_private builds keeps no state."""
+    private = _private("bandmf", 0)
+    gen = private.privatizer.generator
+    assert private.plan.planner_result.recommended.noise_method == "regenerate"
+    assert gen.kind == "regenerate" and _state_bytes(gen) == 0
+    fits = _private("auto", 179 * 4)  # one float32 vector of the trainable parameters
+    assert _state_bytes(fits.privatizer.generator) <= 179 * 4
+
+
+def test_make_private_named_mechanism_over_budget_says_what_fits():
+    with pytest.raises(CorrnoiseError) as err:
+        _private("bsr:4", "1kB")  # 3 vectors x 179 x 4 B = 2148 B
+    msg = str(err.value)
+    assert err.value.param == "max_noise_memory" and "\n" not in msg
+    assert "3 noise vectors" in msg and "at most 1 vectors" in msg and "regenerate" in msg
+    private = _private("bsr:4", "1kB", noise_method="regenerate")
+    assert _state_bytes(private.privatizer.generator) == 0
+    assert _state_bytes(_private("bsr:4", "2148").privatizer.generator) == 2148  # exactly at the budget
+
+
+def test_cli_plan_reports_noise_memory(capsys):
+    from corrnoise.cli import main
+
+    args = ["plan", "--steps", "32", "--epochs", "2", "--epsilon", "4", "--delta", "1e-5", "--pipeline", "cyclic",
+            "--only", "dpsgd,bandmf,tree", "--trainable-params", str(GPT2_SMALL), "--dtype", "float32",
+            "--max-noise-memory", "2GB", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(c["noise_memory_bytes"] <= 2 * 10 ** 9 for c in data["candidates"] if c["feasible"])
+    assert data["recommended"]["noise_memory_bytes"] <= 2 * 10 ** 9
+    assert [e["candidate"] for e in data["excluded"]] == ["tree:ls"]
+    assert main(args[:-3] + ["--max-noise-memory", "lots", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "max_noise_memory" in err

@@ -792,6 +792,9 @@ def _save(cand: Candidate, setup: PlanSetup, path: Path) -> Path:
         "noise_std": cand.noise_std, "noise_multiplier": cand.noise_multiplier, "accounting": cand.accounting,
         "kind": cand.kind, "planned_by": "corrnoise plan",
     }
+    if cand.noise_memory_bytes is not None:  # planned for a model size: how its noise fits the budget
+        designed_for.update(noise_method=cand.noise_method, noise_memory_bytes=cand.noise_memory_bytes,
+                            trainable_params=setup.trainable_params, dtype=setup.noise_dtype)
     losses = {"mean_error": cand.mean_error, "max_error": cand.max_error_unit, "rms_error": cand.rms_error,
               "max_error_at_noise": cand.max_error}
     return save_mechanism(cand.strategy, path, designed_for=designed_for, losses=losses)
