@@ -257,3 +257,16 @@ def test_cli_plan_reports_noise_memory(capsys):
     assert main(args[:-3] + ["--max-noise-memory", "lots", "--json"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "max_noise_memory" in err
+
+
+def test_readme_table_is_the_scripts_output():
+    """The README's GPT-2 small table is what benchmarks/noise_memory_table.py prints (the formula's numbers)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("noise_memory_table", root / "benchmarks" / "noise_memory_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.lora_trainable() == 294_912  # 12 x 8 x (768 + 2304)
+    assert module.table() in (root / "README.md").read_text()
