@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,21 +49,23 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.
 
 def parse_size(value: Any, param: str = "max_noise_memory") -> int:
     """A size in bytes from an int, a float or text: ``"2GB"`` (10^9), ``"512MiB"`` (2^20),
-    ``"2e9"``, ``"1.5 GiB"``; rounded down to whole bytes. Anything else is one line naming
-    ``param``."""
+    ``"2e9"``, ``"1.5 GiB"``; exact (decimal arithmetic), rounded down to whole bytes. Anything
+    else is one line naming ``param``."""
+    bad = CorrnoiseError(param, f"must be a size like 2GB, 512MiB or 2e9 (bytes), got {value!r}")
     if isinstance(value, bool):
-        raise CorrnoiseError(param, f"must be a size like 2GB, 512MiB or 2e9 (bytes), got {value!r}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number, unit = float(value), ""
+        raise bad
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise bad
+        number, unit = Fraction(value), ""
     else:
         match = _SIZE.match(str(value))
         if match is None or match.group(2).lower() not in _UNITS:
-            raise CorrnoiseError(param, f"must be a size like 2GB, 512MiB or 2e9 (bytes), got {value!r}")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    size = number * _UNITS[unit]
-    if not math.isfinite(size) or size < 0:
-        raise CorrnoiseError(param, f"must be a finite size >= 0 like 2GB, 512MiB or 2e9, got {value!r}")
-    return int(size)
+            raise bad
+        number, unit = Fraction(match.group(1)), match.group(2).lower()
+    if number < 0:
+        raise bad
+    return math.floor(number * _UNITS[unit])
 
 
 def format_size(nbytes: int) -> str:
