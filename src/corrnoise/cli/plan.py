@@ -11,8 +11,9 @@ recommended one, re-calibrated with the full formal guarantee and saved as a mec
 (``--mechanism-file``, default ``plan-recommended.json`` except with ``--json``; with ``--out DIR`` every candidate's
 file too, under ``DIR/candidates/``).  With ``--trainable-params`` every candidate reports its noise state
 in bytes (``noise_memory_bytes``, :func:`corrnoise.noise_memory.noise_state_bytes`); ``--max-noise-memory``
-switches a candidate over it to regenerated noise or excludes it (``excluded`` in the JSON).  ``--json``: exactly one JSON object on stdout, no progress. Otherwise progress goes to
-stderr: a bar on a terminal, else a line per phase once planning has taken a second.
+switches a candidate over it to regenerated noise or excludes it (``excluded`` in the JSON).
+``--json``: exactly one JSON object on stdout, no progress. Otherwise progress goes to stderr: a bar
+on a terminal, else a line per phase once planning has taken a second.
 """
 
 from __future__ import annotations
