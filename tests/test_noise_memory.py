@@ -136,6 +136,7 @@ def test_gpt2_small_plan_within_2gb():
     assert rec.noise_memory_bytes == noise_state_bytes(rec.strategy, GPT2_SMALL, "float32", rec.noise_method)
     for c in result.candidates:
         assert c.noise_memory_bytes == noise_state_bytes(c.strategy, GPT2_SMALL, "float32", c.noise_method)
+        assert c.noise_memory_bytes == c.memory_vectors * GPT2_SMALL * 4  # agrees with the planner's own count
         if c.feasible or c.calibrated:
             assert c.noise_memory_bytes <= budget, c.mechanism
     # tree:ls keeps 5 node estimates (2.49 GB) and has no regenerated variant: excluded, said why
