@@ -2,14 +2,18 @@
 
     corrnoise plan (--dataset-size N --batch-size B --epochs K | --steps n --epochs K)
         --epsilon E --delta D [--max-buffers M] [--only FAMILY,...]
+        [--trainable-params P [--dtype float32] [--max-noise-memory 2GB]]
         [--pipeline auto|poisson|cyclic|balls-in-bins] [--plot FILE.png] [--out DIR]
         [--mechanism-file FILE.json] [--json]
 
 Prints every candidate (screening numbers, ``kind`` says guarantee or estimate) and the
 recommended one, re-calibrated with the full formal guarantee and saved as a mechanism file
 (``--mechanism-file``, default ``plan-recommended.json`` except with ``--json``; with ``--out DIR`` every candidate's
-file too, under ``DIR/candidates/``).  ``--json``: exactly one JSON object on stdout, no progress. Otherwise progress goes to
-stderr: a bar on a terminal, else a line per phase once planning has taken a second.
+file too, under ``DIR/candidates/``).  With ``--trainable-params`` every candidate reports its noise state
+in bytes (``noise_memory_bytes``, :func:`corrnoise.noise_memory.noise_state_bytes`); ``--max-noise-memory``
+switches a candidate over it to regenerated noise or excludes it (``excluded`` in the JSON).
+``--json``: exactly one JSON object on stdout, no progress. Otherwise progress goes to stderr: a bar
+on a terminal, else a line per phase once planning has taken a second.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from .report import finite_json
 @click.option("--delta", "delta", type=float, required=True, help="Target delta, in (0, 1).")
 @click.option("--max-buffers", "max_buffers", type=int, default=None,
               help="Memory budget: noise vectors of model size kept between steps (more = infeasible).")
+@click.option("--trainable-params", "trainable_params", type=int, default=None,
+              help="The model's trainable parameter count: report each candidate's noise state in bytes.")
+@click.option("--dtype", "dtype", default=None, help="The dtype of the noise (float32, the default; float64, float16, "
+              "bfloat16).")
+@click.option("--max-noise-memory", "max_noise_memory", default=None,
+              help="Noise-memory budget (2GB, 512MiB, 2e9 bytes): candidates over it are regenerated or excluded.")
 @click.option("--only", "only", default=None, help="Comma-separated families: dpsgd,bandmf,blt,dpcgd,toeplitz,dense,tree.")
 @click.option("--pipeline", default="auto", show_default=True,
               type=click.Choice(PIPELINES),
@@ -47,15 +57,16 @@ from .report import finite_json
 @click.option("--plan-out", "plan_out", default=None,
               help="Write the recommended run as a plan file (.json) for corrnoise train --plan FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_buffers, only, pipeline, plot, out_dir,
-                 mechanism_file, plan_out, as_json):
+def plan_command(dataset_size, batch_size, steps, epochs, epsilon, delta, max_buffers, trainable_params, dtype,
+                 max_noise_memory, only, pipeline, plot, out_dir, mechanism_file, plan_out, as_json):
     """Recommend a mechanism, batching and calibrated noise for a training run."""
     from ..planner import make_setup, plan
 
     if plot is not None and not str(plot).lower().endswith(".png"):
         raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
     setup = make_setup(epsilon=epsilon, delta=delta, epochs=epochs, dataset_size=dataset_size,
-                       batch_size=batch_size, steps=steps, max_buffers=max_buffers, only=only, pipeline=pipeline)
+                       batch_size=batch_size, steps=steps, max_buffers=max_buffers, only=only, pipeline=pipeline,
+                       trainable_params=trainable_params, dtype=dtype, max_noise_memory=max_noise_memory)
     if plan_out is not None:  # fail before planning, not after it
         from ..runplan import check_plan_out
 
@@ -106,6 +117,16 @@ def _fmt(x, spec=".4g"):
     return "-" if x is None else format(x, spec)
 
 
+def _memory(c) -> str:
+    """Noise vectors kept between steps, with their bytes when the model size is known."""
+    if c.noise_memory_bytes is None:
+        return str(c.memory_vectors)
+    from ..noise_memory import format_size
+
+    regen = " regen" if c.noise_method == "regenerate" else ""
+    return f"{c.memory_vectors} ({format_size(c.noise_memory_bytes)}{regen})"
+
+
 def _table(result, data) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -127,7 +148,7 @@ def _table(result, data) -> None:
             kind, rms = "not sampled", f">= {c.lower_rms:.4g}"
         row = [c.mechanism, batching, c.accounting or "-", kind,
                _fmt(c.noise_std), _fmt(c.noise_multiplier), rms, _fmt(c.max_error),
-               str(c.memory_vectors), _fmt(c.noise_cost, ".3g"), "yes" if c.feasible else "no", f"{c.seconds:.1f}"]
+               _memory(c), _fmt(c.noise_cost, ".3g"), "yes" if c.feasible else "no", f"{c.seconds:.1f}"]
         table.add_row(*row, style="bold green" if c is rec else None)
     console = Console() if sys.stdout.isatty() else Console(width=170)
     console.print(table)
@@ -136,6 +157,8 @@ def _table(result, data) -> None:
                   f"(sigma {rec.noise_multiplier:.6g}), {rec.accounting} {rec.kind}; rms_error {rec.rms_error:.4g}")
     for d in result.dropped:
         console.print(f"dropped {d['candidate']}: {d['reason']}", markup=False)
+    for d in result.regenerated + result.excluded:
+        console.print(f"{d['candidate']} ({d['batching']}): {d['reason']}", markup=False)
     if rec.mechanism_file:
         console.print(f"mechanism file: {rec.mechanism_file}")
     if "plan_file" in data:

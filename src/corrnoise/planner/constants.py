@@ -60,3 +60,14 @@ IMPROVEMENT_MARGIN = DPSGD_TIE_MARGIN
 #: between runs (MNIST-1D `make run`: bandmf:64 screened at 10.29 in one run, final 10.01 in
 #: another), so without it the pick among near-ties is a coin flip.
 SCREEN_NOISE_MARGIN = 0.05
+
+#: Noise-memory budget (issue #27 item 5): the families whose buffered noise has a regenerated
+#: variant the planner switches to when the buffers do not fit -- the same C and the same noise,
+#: C^{-1} regenerated from the key (tutorial Sec. 4.4.5, Approach 2) at O(t) seed-noise draws at
+#: step t instead of b - 1 or d model-size buffers. (dpsgd, dpcgd, toeplitz, dense and the plain tree
+#: keep no buffers already; tree:ls is not switched: its memoryless form would materialize C^{-1},
+#: n x (2n - 1) numbers, and the plain tree is its buffer-free sibling among the candidates.)
+REGENERABLE_FAMILIES = ("bandmf", "blt")
+#: ... up to this many steps: the planner's limit for the regenerated full Toeplitz candidate
+#: (its C^{-1} is as dense; about n / 2 draws per step on average); past it the candidate is excluded.
+MAX_REGENERATE_N = MAX_TOEPLITZ_N

@@ -74,7 +74,12 @@ Numbers per candidate (docs/design.md conventions, unit clip norm, prefix worklo
 ``rms_error = noise_std ||A C^-1||_F / sqrt(n)``, ``max_error = noise_std max_t ||(A C^-1)[t]||``;
 ``memory_vectors`` = model-size noise vectors the streaming generator keeps between steps
 (:func:`corrnoise.noise.make_generator`'s choice: banded b - 1, BLT d, DP-SGD / DP-CGD /
-regenerated Toeplitz, dense and the plain tree 0, ``tree:ls`` the bit length of n - 1); ``noise_cost`` = R + A per step, R = model-size
+regenerated Toeplitz, dense and the plain tree 0, ``tree:ls`` the bit length of n - 1);
+``noise_memory_bytes`` (given ``trainable_params``, and ``dtype``, default float32) = the noise state
+in bytes, :func:`corrnoise.noise_memory.noise_state_bytes`; under ``max_noise_memory`` a candidate
+over the budget is switched to regenerated noise (``noise_method = "regenerate"``: bandmf and blt for
+n <= MAX_REGENERATE_N; same C and noise, no buffers, higher noise_cost) or else excluded, never
+calibrated (:mod:`.budget`; :attr:`PlanResult.excluded` / ``regenerated`` list them); ``noise_cost`` = R + A per step, R = model-size
 Gaussian draws and A = model-size multiply-adds, each counted as one randn (an upper bound: a
 multiply-add is cheaper): DP-SGD 1, banded b, BLT 1 + 2d, DP-CGD 3 (z_t, regenerated z_{t-1}, one
 axpy), regenerated C^-1: 2 nnz - 1 per row on average, the tree: ``designs._tree_cost``.
@@ -90,11 +95,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import CorrnoiseError, check_int
+from ..noise_memory import format_size
 from ..progress import LineProgress, format_seconds, null_progress
 from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, ESTIMATE_MC_SAMPLES, FAMILIES, FINAL_MC_SAMPLES,
                         IMPROVEMENT_MARGIN,
                         MAX_DENSE_N, MAX_FINALIZE, MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES,
                         SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES, SCREEN_MC_TAU, SCREEN_NOISE_MARGIN)
+from .budget import apply_noise_budget
 from .designs import DESIGN_FAILURES, _batching_spec, _designs, _errors
 from .setup import PlanSetup, make_setup
 from .store import cached_errors
@@ -145,6 +152,14 @@ class Candidate:
     lower_rms: float | None = None
     #: balls-in-bins only: how far the Monte Carlo work went (None, "screened", "estimated", "verified")
     stage: str | None = None
+    #: make_generator's method for this candidate's noise: "auto" (the strategy's own recurrence)
+    #: or "regenerate" (chosen under a noise-memory budget, :mod:`.budget`)
+    noise_method: str = "auto"
+    #: noise state in bytes (:func:`corrnoise.noise_memory.noise_state_bytes`), when the setup
+    #: gives trainable_params
+    noise_memory_bytes: int | None = None
+    #: over the noise-memory budget with no regenerated variant: never calibrated
+    excluded: bool = field(default=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -165,6 +180,9 @@ class Candidate:
         if self.lower_rms is not None:
             out["rms_error_lower_bound"] = self.lower_rms
             out["noise_std_lower_bound"] = self.lower_noise
+        if self.noise_memory_bytes is not None:
+            out["noise_memory_bytes"] = self.noise_memory_bytes
+            out["noise_method"] = self.noise_method
         return out
 
     @property
@@ -192,12 +210,20 @@ class PlanResult:
     seconds: float
     #: designs whose optimization failed, with the reason: ``{"candidate": label, "reason": text}``
     dropped: list[dict[str, str]] = field(default_factory=list)
+    #: candidates over the noise-memory budget (:func:`.budget.apply_noise_budget`): left out
+    #: (``excluded``) or switched to regenerated noise (``regenerated``)
+    excluded: list[dict[str, Any]] = field(default_factory=list)
+    regenerated: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"setup": self.setup.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
                "recommended": self.recommended.to_dict(), "seconds": round(self.seconds, 3)}
         if self.dropped:
             out["dropped"] = list(self.dropped)
+        if self.excluded:
+            out["excluded"] = list(self.excluded)
+        if self.regenerated:
+            out["regenerated"] = list(self.regenerated)
         return out
 
 
@@ -396,7 +422,7 @@ def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = N
     report = _reporter(progress)
     token = _REPORT.set(report)
     try:
-        candidates, dropped, epsilon_errors = _build_candidates(setup, report, seed, screen_samples)
+        candidates, dropped, epsilon_errors, memory = _build_candidates(setup, report, seed, screen_samples)
         recommended = _finalize(candidates, setup, epsilon_errors, report, seed, screen_samples)
         report("done", 1, 1)
     finally:
@@ -415,13 +441,15 @@ def plan(setup: PlanSetup | dict | None = None, *, progress: Progress | None = N
     if mechanism_file is not None:
         recommended.mechanism_file = str(_save(recommended, setup, Path(mechanism_file)))
     candidates.sort(key=_rank_key)
-    return PlanResult(setup, candidates, recommended, time.perf_counter() - t_start, dropped)
+    return PlanResult(setup, candidates, recommended, time.perf_counter() - t_start, dropped, memory["excluded"],
+                      memory["regenerated"])
 
 
 def _build_candidates(setup: PlanSetup, report: Progress, seed: int | None, screen_samples: int
-                      ) -> tuple[list[Candidate], list[dict[str, str]], list[str]]:
-    """Every design built (a failed one dropped with its reason), every analytic candidate
-    screened (a formal guarantee, cached), every Monte Carlo candidate's lower bound."""
+                      ) -> tuple[list[Candidate], list[dict[str, str]], list[str], dict[str, list]]:
+    """Every design built (a failed one dropped with its reason), its noise memory checked against
+    the budget (:func:`.budget.apply_noise_budget`: regenerated or excluded), every analytic
+    candidate left screened (a formal guarantee, cached), every Monte Carlo candidate's lower bound."""
     tasks = _designs(setup)
     if not tasks:
         raise CorrnoiseError("only", f"no family in {','.join(setup.only or FAMILIES)} applies to n = {setup.n} steps "
@@ -450,17 +478,22 @@ def _build_candidates(setup: PlanSetup, report: Progress, seed: int | None, scre
     if not candidates:
         why = "; ".join(f"{d['candidate']}: {d['reason']}" for d in dropped[:3])
         raise CorrnoiseError("only", f"every candidate design failed ({why})")
-    analytic = [c for c in candidates if not c.monte_carlo]
+    memory = apply_noise_budget(candidates, setup)
+    if all(c.excluded for c in candidates):
+        raise CorrnoiseError("max_noise_memory", f"no candidate's noise state fits in {format_size(setup.max_noise_memory)} "
+                             f"({candidates[0].note.removeprefix('excluded: ')}); raise it or add dpsgd or dpcgd "
+                             "(no buffers) to only")
+    analytic = [c for c in candidates if not c.monte_carlo and not c.excluded]
     for j, cand in enumerate(analytic):
         report(f"analytic accounting: {cand.mechanism} {cand.batching}", j, len(analytic))
         _screen(cand, setup, seed, screen_samples, epsilon_errors)
     report("analytic accounting", len(analytic), len(analytic))
-    mc = [c for c in candidates if c.monte_carlo]
+    mc = [c for c in candidates if c.monte_carlo and not c.excluded]
     for j, cand in enumerate(mc):
         report(f"Monte Carlo lower bounds: {cand.mechanism}", j, len(mc))
         _lower_bound(cand, setup)
     report("Monte Carlo lower bounds", len(mc), len(mc))
-    return candidates, dropped, epsilon_errors
+    return candidates, dropped, epsilon_errors, memory
 
 
 def _one_line(exc: BaseException) -> str:
@@ -759,6 +792,9 @@ def _save(cand: Candidate, setup: PlanSetup, path: Path) -> Path:
         "noise_std": cand.noise_std, "noise_multiplier": cand.noise_multiplier, "accounting": cand.accounting,
         "kind": cand.kind, "planned_by": "corrnoise plan",
     }
+    if cand.noise_memory_bytes is not None:  # planned for a model size: how its noise fits the budget
+        designed_for.update(noise_method=cand.noise_method, noise_memory_bytes=cand.noise_memory_bytes,
+                            trainable_params=setup.trainable_params, dtype=setup.noise_dtype)
     losses = {"mean_error": cand.mean_error, "max_error": cand.max_error_unit, "rms_error": cand.rms_error,
               "max_error_at_noise": cand.max_error}
     return save_mechanism(cand.strategy, path, designed_for=designed_for, losses=losses)

@@ -28,6 +28,13 @@ class PlanSetup:
     max_buffers: int | None = None
     only: tuple[str, ...] | None = None
     pipeline: str = "auto"
+    #: the model whose noise the plan is for: trainable parameter count and dtype (default
+    #: float32); with them every candidate reports its noise state in bytes
+    #: (:func:`corrnoise.noise_memory.noise_state_bytes`)
+    trainable_params: int | None = None
+    dtype: str | None = None
+    #: noise-memory budget in bytes ("2GB", "512MiB", 2e9 are parsed); needs trainable_params
+    max_noise_memory: int | None = None
 
     def __post_init__(self):
         eps = check_real("epsilon", self.epsilon, low=0.0, low_open=True)
@@ -59,12 +66,32 @@ class PlanSetup:
         if self.max_buffers is not None:
             object.__setattr__(self, "max_buffers", check_int("max_buffers", self.max_buffers, minimum=0))
         object.__setattr__(self, "only", _check_only(self.only))
+        self._check_noise_memory()
         pipeline = str(self.pipeline).strip().lower()
         if pipeline not in PIPELINES:
             raise CorrnoiseError("pipeline", f"must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
         object.__setattr__(self, "pipeline", pipeline)
 
+    def _check_noise_memory(self) -> None:
+        """trainable_params, dtype and max_noise_memory parsed (:mod:`corrnoise.noise_memory`)."""
+        from ..noise_memory import dtype_itemsize, parse_size
+
+        if self.trainable_params is not None:
+            object.__setattr__(self, "trainable_params", check_int("trainable_params", self.trainable_params, minimum=1))
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_itemsize(self.dtype)[0])
+        if self.max_noise_memory is not None:
+            if self.trainable_params is None:
+                raise CorrnoiseError("max_noise_memory", "needs trainable_params (the model's trainable parameter "
+                                     "count) to turn noise vectors into bytes")
+            object.__setattr__(self, "max_noise_memory", parse_size(self.max_noise_memory))
+
     # --- derived ------------------------------------------------------------------------------
+    @property
+    def noise_dtype(self) -> str:
+        """The dtype the noise state is counted in (float32 unless given)."""
+        return self.dtype or "float32"
+
     @property
     def steps_per_epoch(self) -> int:
         """b: fixed-size batches per epoch (N // B), or ceil(n / K) given the steps."""

@@ -35,11 +35,12 @@ def is_planned(mechanism: Any) -> bool:
 
 
 def plan_mechanism(mechanism: str, batching: str, *, num_examples: int, batch_size: int, epochs, steps,
-                   epsilon: float, delta: float, progress=None):
+                   epsilon: float, delta: float, progress=None, noise_budget=None):
     """``mechanism="auto"`` (or a family): the planner's recommendation (:mod:`corrnoise.planner`)
     for this run and the pipeline ``batching`` describes -> (strategy, batching name, steps, the
     guarantee its noise was calibrated to, the :class:`~corrnoise.planner.PlanResult`). One
-    planner, no second set of rules."""
+    planner, no second set of rules. ``noise_budget`` (a :class:`corrnoise.noise_memory.NoiseBudget`):
+    the planner chooses within it (its ``noise_method`` says how the noise is generated)."""
     from ..planner import plan
 
     per_epoch = max(1, num_examples // batch_size)
@@ -53,7 +54,7 @@ def plan_mechanism(mechanism: str, batching: str, *, num_examples: int, batch_si
         raise CorrnoiseError("epochs", f"the planner plans whole epochs, got {epochs!r}")
     result = plan(dataset_size=num_examples, batch_size=batch_size, epochs=int(epochs), epsilon=epsilon, delta=delta,
                   pipeline=pipeline_of(batching), only=None if mechanism == AUTO else (mechanism,),
-                  progress=progress)
+                  progress=progress, **(noise_budget.planner_settings() if noise_budget is not None else {}))
     rec = result.recommended
     return rec.strategy, planned_batching(rec.batching), result.setup.n, rec.result, result
 

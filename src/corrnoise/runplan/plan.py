@@ -50,6 +50,7 @@ def plan_run(
     accounting_method: str = "auto",
     accounting_options: dict[str, Any] | None = None,
     progress=None,
+    noise_budget=None,
 ) -> RunPlan:
     """The :class:`RunPlan` of a private run on ``dataset_size`` examples in (expected) batches of
     ``batch_size`` -- every decision about mechanism, batching, sampler and noise, made once.
@@ -65,7 +66,8 @@ def plan_run(
     (noise calibrated to a formal guarantee), ``noise_std``, ``noise_multiplier`` and
     ``guarantee`` (a formal guarantee of exactly this run, by content: its noise is used).
     Exactly one of ``epochs`` and ``steps`` (a ready sampler may stand for both).
-    ``accounting_options`` asking for an estimate or a lower bound are refused.
+    ``accounting_options`` asking for an estimate or a lower bound are refused. ``noise_budget``
+    (:class:`corrnoise.noise_memory.NoiseBudget`): a planned mechanism is chosen within it.
     """
     if pipeline is not None:
         return _plan_for_pipeline(pipeline, mechanism, batching, dataset_size=dataset_size, batch_size=batch_size,
@@ -89,7 +91,7 @@ def plan_run(
             raise CorrnoiseError("mechanism", f"{mechanism!r} is chosen with its batching: pass batching as a name")
         mechanism, batching, steps, guarantee, planned = plan_mechanism(
             mechanism, batching, num_examples=dataset_size, batch_size=batch_size, epochs=epochs, steps=steps,
-            epsilon=epsilon, delta=delta, progress=progress)
+            epsilon=epsilon, delta=delta, progress=progress, noise_budget=noise_budget)
         epsilon, epochs, label = None, None, planned.recommended.mechanism
     if guarantee is not None:
         if any(v is not None for v in (epsilon, noise_std, noise_multiplier)):

@@ -71,6 +71,13 @@ private as the data. ``store_noise_seed``: put the noise seed there too. ``nan_p
 examples whose gradient is NaN/inf are left out of the update (clip factor 0); ``"warn"``
 (default) warns and takes the step, ``"raise"`` refuses it.
 
+``max_noise_memory`` ("2GB", "512MiB", 2e9 bytes): a budget for the noise state the generator keeps
+between steps, for the trainable parameters (count and dtype) the optimizer updates
+(:func:`corrnoise.noise_memory.noise_state_bytes`; the whole model's, also when data parallel ranks
+hold a shard each). ``mechanism="auto"`` (or a family): the planner chooses within it (regenerated
+noise where buffers do not fit); a named mechanism whose state does not fit with ``noise_method``
+is refused with one line saying what would fit.
+
 ``distributed``: data-parallel training over a torch.distributed process group; ``None``
 (default) turns it on for a :class:`~torch.nn.parallel.DistributedDataParallel` module (its
 ``process_group``) or when a default process group is initialized, ``False`` turns it off (not
@@ -107,6 +114,7 @@ from torch.utils.data import DataLoader
 
 from ..accounting import PrivacyResult
 from ..errors import CorrnoiseError, check_int, check_real, user_stacklevel
+from ..noise_memory import budgeted_noise_method, model_noise_budget
 from ..pipelines import AUTO, BATCHINGS
 from ..runplan import RunPlan, choose_batching, is_planned, plan_mechanism, plan_run, planned_batching
 from ..sampling import BatchSampler
@@ -146,6 +154,7 @@ def make_private(
     accounting_options: dict[str, Any] | None = None,
     noise_method: str = "auto",
     distributed: bool | None = None,
+    max_noise_memory: int | float | str | None = None,
 ) -> tuple[torch.nn.Module, DPOptimizer, DPDataLoader]:
     """Privatize an existing PyTorch training loop; returns ``(module, optimizer, data_loader)``.
 
@@ -163,10 +172,13 @@ def make_private(
         max_physical_batch_size = check_int("max_physical_batch_size", max_physical_batch_size, minimum=1)
     data = _Loader(*loader_settings(data_loader))
     par = _prepare_parallel(module, distributed, seed, batching)
+    budget = model_noise_budget(max_noise_memory, _trainable(module, optimizer))
     planning = dict(delta=delta, mechanism=mechanism, epsilon=epsilon, noise_multiplier=noise_multiplier,
                     noise_std=noise_std, guarantee=guarantee, epochs=epochs, steps=steps, batching=batching,
-                    accounting_method=accounting_method, accounting_options=accounting_options)
+                    accounting_method=accounting_method, accounting_options=accounting_options,
+                    noise_budget=budget)
     plan = _prepare_plan(plan, planning, data, par)
+    noise_method = budgeted_noise_method(budget, plan.strategy, noise_method, plan.planner_result)
     sampler = _prepare_sampler(plan, batching, par)
     engine, privatizer = _prepare_engine(module, optimizer, plan, sampler, par, max_grad_norm=max_grad_norm,
                                          loss_reduction=loss_reduction, noise_seed=noise_seed,
@@ -180,6 +192,13 @@ def make_private(
                           max_physical_batch_size=max_physical_batch_size, context=context, rank=par.rank,
                           world_size=par.world_size, **data.keep)
     return module, private, loader
+
+
+def _trainable(module, optimizer) -> list[torch.Tensor]:
+    """The tensors whose gradients get noise: the optimizer's that require grad (else the module's)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 class _Loader(NamedTuple):
