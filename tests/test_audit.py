@@ -276,3 +276,38 @@ def test_cli_audit_prints_the_contract_fields(capsys):
         assert main(argv) == 2
         _, err = capsys.readouterr()
         assert err.startswith(f"error: {param}:") and err.count("\n") == 1
+
+
+def _many(mechanism, canaries=64, **kw):
+    args = dict(examples=256 - canaries, mechanism=mechanism, batching="cyclic", epsilon=2.0, delta=1e-5,
+                batch_size=64, epochs=2, canaries=canaries)
+    return AuditSetup.digits(**{**args, **kw})
+
+
+def test_a_many_run_audit_counts_every_canary_of_a_run_as_a_trial_at_a_worst_case_position():
+    """K canaries a run are K trials (dead coordinates, independent noise), each in half the runs;
+    under cyclic batching they must all sit where the guarantee's worst case is (one batch for a
+    mechanism whose batches differ), else the trials are not alike: refused naming canaries."""
+    setup = _many("dpcgd:0.9")
+    norms = [np.linalg.norm(setup.strategy.multiply(setup.schedule_of_batch(b))) for b in range(4)]
+    assert max(norms) > sorted(norms)[-2] * (1 + 1e-6)  # one worst batch
+    assert setup.worst_case_canaries() == 64
+    worst = int(np.argmax(norms))
+    assert all(setup.schedule_of_batch(worst) @ setup.public_schedule(i) == 2 for i in setup.canary_indices())
+    res = audit_many_runs(setup, 10, score="whitened")
+    assert (res.runs, res.canaries, res.extras["trials"]) == (10, 64, 640)
+    with pytest.raises(CorrnoiseError) as e:
+        audit_many_runs(_many("dpcgd:0.9", canaries=65), 10)
+    assert e.value.param == "canaries" and "\n" not in str(e.value)
+    assert _many("identity", canaries=65).worst_case_canaries() == 65  # DP-SGD: every batch is worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mechanism", ["identity", "dpcgd:0.9"])
+def test_the_white_box_many_run_audit_reaches_half_the_guarantee_at_epsilon_2(mechanism):
+    """The issue's sharpness target: 1,600 runs x 64 worst-case canaries (102,400 trials), whitened
+    score, Clopper-Pearson at 95%: the lower bound is >= 0.5 of the guarantee (measured 0.59 for
+    DP-SGD, benchmarks/RESULTS.md) and never above it."""
+    res = audit_many_runs(_many(mechanism), 1600, score="whitened", select_fraction=0.3)
+    ratio = res.epsilon_lower / res.extras["epsilon_guarantee"]
+    assert 0.5 <= ratio <= 1.0, res.to_dict()

@@ -30,6 +30,7 @@ canary was in batch t, z i.i.d. N(0, 1). Scores:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -133,8 +134,19 @@ class AuditSetup:
         per = order.shape[0]
         norms = [np.linalg.norm(self.strategy.multiply(self.schedule_of_batch(b))) for b in range(per)]
         ranked = np.argsort(-np.asarray(norms), kind="stable")
-        slots = [int(order[b, j]) for j in range(order.shape[1]) for b in ranked]
+        slots = [int(order[b, j]) for b in ranked for j in range(order.shape[1])]  # the worst batch first
         return slots[: self.canaries]
+
+    def worst_case_canaries(self) -> int:
+        """How many canaries sit at a worst-case position (the guarantee's): every one under an
+        amplified batching (the sampler treats every index alike), under cyclic those in batches
+        whose schedule has the largest ||C x||, to a relative 1e-9."""
+        if self.batching != "cyclic":
+            return self.canaries
+        per = self.num_examples // self.batch_size
+        norms = np.array([np.linalg.norm(self.strategy.multiply(self.schedule_of_batch(b))) for b in range(per)])
+        worst = self.batch_size * int(np.sum(norms >= norms.max() * (1.0 - 1e-9)))
+        return min(self.canaries, worst)
 
     def schedule_of_batch(self, b: int) -> np.ndarray:
         per = self.num_examples // self.batch_size
@@ -272,41 +284,51 @@ def _scores(setup: AuditSetup, y: np.ndarray, index: int, score: str) -> float:
 
 def audit_many_runs(setup: AuditSetup, runs: int, *, score: str = "whitened", delta: float | None = None,
                     confidence: float = 0.95, seed: int = 0, patch=None, select_fraction: float = 0.5) -> AuditResult:
-    """Many-run white-box audit: ``runs`` make_private runs with one canary (canary 0), included
-    in every other run; scores by ``score`` (:data:`SCORES`); the lower bound of
-    :func:`corrnoise.audit.many_run_audit` (or ``..._features`` for ``lda``) at ``delta``
-    (default the run's), beside the run's guarantee at that delta. ``patch(optimizer)``: a test
-    fixture's hook on the noise path (the broken runs of the sensitivity tests)."""
+    """Many-run white-box audit: ``runs`` make_private runs, each with ``setup.canaries``
+    canaries; canary i is included in run r iff r + i is even, so every run holds half of them
+    and each canary is in every other run.  Trials are (run, canary) pairs: the canaries' weight
+    coordinates are dead (no real gradient reaches them) and the noise is independent across
+    coordinates, so with every canary at a worst-case position (:meth:`AuditSetup.worst_case_canaries`;
+    refused otherwise) the in-trials are i.i.d. draws of one mechanism's output and the out-trials
+    of its neighbour's -- the many-run audit's hypothesis, ``runs * canaries`` times per side/2.
+    Scores by ``score`` (:data:`SCORES`); the lower bound of :func:`corrnoise.audit.many_run_audit`
+    (or ``..._features`` for ``lda``) at ``delta`` (default the run's), beside the run's guarantee at
+    that delta. ``patch(optimizer)``: a test fixture's hook on the noise path (the broken runs of
+    the sensitivity tests)."""
     runs = check_int("runs", runs, minimum=6)
     if score not in SCORES:
         raise CorrnoiseError("score", f"must be one of {', '.join(SCORES)}, got {score!r}")
-    if setup.canaries != 1:
-        raise CorrnoiseError("canaries", "the many-run audit uses one canary per run (runs are its trials)")
+    if setup.worst_case_canaries() < setup.canaries:
+        raise CorrnoiseError("canaries", f"at most {setup.worst_case_canaries()} fit the worst-case batches of this "
+                             f"cyclic run (trials must be alike); lower canaries or raise batch_size")
     delta = setup.delta if delta is None else check_real("delta", delta, low=0.0, high=1.0, low_open=True,
                                                           high_open=True)
     nu, guarantee = _noise_and_guarantee(setup, delta)
     rng = np.random.default_rng(seed)
-    index = setup.canary_indices()[0]
+    positions = setup.canary_indices()
     feats = {True: [], False: []}
     start = time.perf_counter()
     with _one_thread():
         for r in range(runs):
-            inc = r % 2 == 0
-            y, _ = canary_run(setup, [inc], noise_seed=int(rng.integers(2 ** 62)),
+            included = [(r + i) % 2 == 0 for i in range(setup.canaries)]
+            y, _ = canary_run(setup, included, noise_seed=int(rng.integers(2 ** 62)),
                               sampler_seed=int(rng.integers(2 ** 62)), noise_std=nu, patch=patch)
-            feats[inc].append(y[0])
+            for i, inc in enumerate(included):
+                feats[inc].append((positions[i], y[i]))
     elapsed = time.perf_counter() - start
-    f_in, f_out = np.array(feats[True]), np.array(feats[False])
     method = f"many-run white-box ({score} score, {setup.batching})"
     if score == "lda":
+        f_in, f_out = (np.array([f for _, f in feats[side]]) for side in (True, False))
         result = many_run_audit_features(f_in, f_out, delta=delta, confidence=confidence, seed=seed,
                                          select_fraction=select_fraction, method=method)
     else:
-        s_in = np.array([_scores(setup, f, index, score) for f in f_in])
-        s_out = np.array([_scores(setup, f, index, score) for f in f_out])
+        s_in, s_out = (np.array([_scores(setup, f, index, score) for index, f in feats[side]])
+                       for side in (True, False))
         result = many_run_audit(s_in, s_out, delta=delta, confidence=confidence, seed=seed,
                                 select_fraction=select_fraction, method=method)
-    return result.with_extras(**_about(setup, guarantee, nu, elapsed))
+    # canaries: scored per run; runs: training runs (the statistics counted runs * canaries trials)
+    result = dataclasses.replace(result, canaries=setup.canaries, runs=runs)
+    return result.with_extras(trials=runs * setup.canaries, **_about(setup, guarantee, nu, elapsed))
 
 
 def audit_one_run(setup: AuditSetup, *, score: str = "whitened", delta: float | None = None,
