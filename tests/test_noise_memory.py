@@ -234,6 +234,26 @@ def test_make_private_auto_plans_within_the_budget():
     assert _state_bytes(fits.privatizer.generator) <= 179 * 4
 
 
+def test_a_plan_file_keeps_how_its_noise_runs(tmp_path):
+    """A plan made under a budget that did not fit the buffers says "regenerate"; its file keeps
+    that, and make_private(plan=the loaded file) builds the regenerated generator (no budget given)."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from corrnoise.runplan import RunPlan
+    from corrnoise.torch.front import make_private
+
+    planned = _private("bandmf", 0).plan
+    assert planned.noise_method == "regenerate"
+    loaded = RunPlan.from_json(planned.to_json(tmp_path / "plan.json"))
+    assert loaded.noise_method == "regenerate"
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    data = TensorDataset(torch.randn(80, 8), torch.randint(0, 3, (80,)))
+    _, private, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=8),
+                                 plan=loaded, max_grad_norm=1.0, noise_seed=0)
+    assert private.privatizer.generator.kind == "regenerate"
+
+
 def test_make_private_named_mechanism_over_budget_says_what_fits():
     with pytest.raises(CorrnoiseError) as err:
         _private("bsr:4", "1kB")  # 3 vectors x 179 x 4 B = 2148 B

@@ -112,7 +112,8 @@ def plan_run(
                    agreement.method, calibration, dataset_size, batch_size, given_epochs,
                    steps_per_epoch(sampler, given_epochs, dataset_size, batch_size), delta, accounting_method,
                    dict(accounting_options or {}), label or strategy.label, asked_pipeline,
-                   tuple(c.to_dict() for c in planned.candidates) if planned is not None else (), planned)
+                   tuple(c.to_dict() for c in planned.candidates) if planned is not None else (), planned,
+                   _planned_noise_method(planned))
 
 
 def _plan_for_pipeline(pipeline, mechanism, batching, *, dataset_size, batch_size, delta, epsilon, others, epochs,
@@ -211,7 +212,15 @@ def plan_choice(choice: dict[str, Any], *, dataset_size: int, batch_size: int, e
     # a planner candidate is given in steps (its loader pass stays the natural one), planned for ``epochs``
     return replace(plan, label=choice["label"], pipeline=pipeline if pipeline is not None else plan.pipeline,
                    epochs=plan.epochs if plan.epochs is not None else epochs,
-                   candidates=tuple(choice.get("candidates", ())), planner_result=choice.get("plan"))
+                   candidates=tuple(choice.get("candidates", ())), planner_result=choice.get("plan"),
+                   noise_method=_planned_noise_method(choice.get("plan")))
+
+
+def _planned_noise_method(planned) -> str:
+    """The planner's noise method for its recommendation ("regenerate" where a noise memory
+    budget did not fit the buffers), "auto" without a planner result."""
+    rec = getattr(planned, "recommended", None)
+    return getattr(rec, "noise_method", "auto") or "auto"
 
 
 def plan_of_recommendation(planned, candidate=None) -> RunPlan:

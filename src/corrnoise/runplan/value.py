@@ -61,6 +61,8 @@ class RunPlan:
     options ``privacy_spent`` uses; ``label`` (the mechanism as named, for people);
     ``pipeline`` (the data pipeline planned for) and the planner's ``candidates``.
     ``planner_result`` (the planner's full result, for its plot) is not saved.
+    ``noise_method``: how the noise generator runs (``"regenerate"`` where the planner's noise
+    memory budget did not fit the buffers; :func:`corrnoise.noise.make_generator`).
     """
 
     strategy: Strategy
@@ -79,6 +81,7 @@ class RunPlan:
     pipeline: str | None = None
     candidates: tuple = ()
     planner_result: Any = field(default=None, repr=False)
+    noise_method: str = "auto"
 
     # --- what the run is ------------------------------------------------------------------------
     @property
@@ -141,7 +144,7 @@ class RunPlan:
             "noise_std": self.noise_std, "noise_multiplier": self.noise_multiplier, "method": self.method,
             "accounting_method": self.accounting_method, "accounting_options": dict(self.accounting_options),
             "guarantee": None if self.guarantee is None else self.guarantee.to_dict(),
-            "candidates": list(self.candidates),
+            "candidates": list(self.candidates), "noise_method": self.noise_method,
         }
 
     def to_json(self, path: str | Path) -> Path:
@@ -211,6 +214,10 @@ def _load(doc: dict[str, Any], path: Path) -> RunPlan:
                    check_int("steps_per_epoch", doc["steps_per_epoch"], minimum=1), delta,
                    doc.get("accounting_method", "auto"), dict(options), str(doc.get("label", "")),
                    doc.get("pipeline"), tuple(doc.get("candidates") or ()))
+    method_of_noise = doc.get("noise_method", "auto")
+    if method_of_noise not in ("auto", "regenerate"):
+        raise CorrnoiseError("noise_method", f"must be 'auto' or 'regenerate', got {method_of_noise!r}")
+    plan = replace(plan, noise_method=method_of_noise)
     recorded = doc.get("noise_multiplier")
     if recorded is not None and not math.isclose(float(recorded), plan.noise_multiplier, rel_tol=1e-9):
         raise CorrnoiseError("noise_multiplier", f"the plan says {recorded!r} but its noise_std and mechanism give "

@@ -178,6 +178,8 @@ def make_private(
                     accounting_method=accounting_method, accounting_options=accounting_options,
                     noise_budget=budget)
     plan = _prepare_plan(plan, planning, data, par)
+    if noise_method == "auto":  # a plan made under a noise memory budget says how its noise runs
+        noise_method = plan.noise_method
     noise_method = budgeted_noise_method(budget, plan.strategy, noise_method, plan.planner_result)
     sampler = _prepare_sampler(plan, batching, par)
     engine, privatizer = _prepare_engine(module, optimizer, plan, sampler, par, max_grad_norm=max_grad_norm,
