@@ -153,6 +153,10 @@ class PrivateTrainer(transformers.Trainer):
 
     def __init__(self, *args, privacy: PrivacyArguments | dict[str, Any] | None = None,
                  plan: RunPlan | None = None, **kwargs):
+        if not hasattr(transformers.Trainer, "loss_is_scaled_for_ga"):
+            raise CorrnoiseError("transformers", f"version {transformers.__version__} is too old for PrivateTrainer "
+                                 "(it needs Trainer.loss_is_scaled_for_ga, so that each micro-batch's loss reaches "
+                                 "backward as the mean the per-example clip expects); upgrade transformers")
         self._privacy = _privacy_kwargs(privacy, plan)
         self._given_plan = plan
         self.private_optimizer: DPOptimizer | None = None
