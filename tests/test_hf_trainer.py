@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,3 +228,14 @@ def test_privacy_arguments_the_trainer_decides_are_refused(tmp_path, privacy, pa
     with pytest.raises(CorrnoiseError) as err:
         _trainer(tmp_path, privacy=privacy)
     _one_line(err, param)
+
+
+def test_the_readme_trainer_example_runs(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Private fine-tuning with the Hugging Face Trainer")[1].split("\n## ")[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["trainer"].private_optimizer.steps_taken == 16
+    assert namespace["trainer"].privacy_spent().epsilon <= 8.0
