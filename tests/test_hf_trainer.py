@@ -237,5 +237,49 @@ def test_the_readme_trainer_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
-    assert namespace["trainer"].private_optimizer.steps_taken == 16
+    assert namespace["trainer"].private_optimizer.steps_taken == 8
     assert namespace["trainer"].privacy_spent().epsilon <= 8.0
+
+
+def _sft_parts(tmp_path, **config):
+    """A pre-tokenized datasets.Dataset (trl skips tokenizing it), a word-level tokenizer built by
+    hand, and an SFTConfig for 2 steps."""
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    trl = pytest.importorskip("trl")
+    texts = _Texts()
+    rows = [texts.ids[i, : int(texts.lengths[i])].tolist() for i in range(N)]
+    vocab = {f"t{i}": i for i in range(V)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1")), pad_token="t0",
+        eos_token="t0")
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=0.05,
+                   optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True,
+                   save_strategy="no", disable_tqdm=True, max_length=None, gradient_checkpointing=False)
+    options.update(config)
+    return datasets.Dataset.from_dict({"input_ids": rows}), tokenizer, trl.SFTConfig(**options)
+
+
+def test_trl_sft_trainer_trains_privately(tmp_path):
+    train, tokenizer, config = _sft_parts(tmp_path)
+    from corrnoise.integrations import PrivateSFTTrainer
+
+    model = _gpt2()
+    before = _params(model)
+    trainer = PrivateSFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer,
+                                privacy=PRIVACY)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2
+    assert trainer.state.log_history[0]["epsilon"] == trainer.privacy_spent().epsilon
+    assert all(not torch.equal(p, before[n]) for n, p in _params(model).items() if "wte" in n)
+
+
+@pytest.mark.parametrize("setting", ["packing", "padding_free"])
+def test_trl_packing_is_refused(tmp_path, setting):
+    train, tokenizer, config = _sft_parts(tmp_path, **{setting: True})
+    from corrnoise.integrations import PrivateSFTTrainer
+
+    with pytest.raises(CorrnoiseError) as err:
+        PrivateSFTTrainer(model=_gpt2(), args=config, train_dataset=train, processing_class=tokenizer,
+                          privacy=PRIVACY)
+    _one_line(err, setting)
