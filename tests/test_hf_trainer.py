@@ -222,6 +222,24 @@ def test_a_custom_train_sampler_is_refused(tmp_path):
     _one_line(err, "_get_train_sampler")
 
 
+def test_the_clip_norm_defaults_to_training_arguments_which_stay_unchanged(tmp_path):
+    args = _args(tmp_path, max_grad_norm=0.5)
+    privacy = {k: v for k, v in PRIVACY.items() if k != "max_grad_norm"}
+    trainer = PrivateTrainer(model=_gpt2(), args=args, train_dataset=_Texts(), privacy=privacy)
+    trainer.get_train_dataloader()
+    assert trainer.private_optimizer.max_grad_norm == 0.5
+    assert trainer.args.max_grad_norm == 0.0 and trainer.args.ignore_data_skip  # the trainer's copy
+    assert args.max_grad_norm == 0.5 and not args.ignore_data_skip
+
+
+def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
+    trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
+    with pytest.raises(CorrnoiseError) as err:
+        trainer.get_train_dataloader()
+    _one_line(err, "privacy")
+    assert "max_noise_memry" in str(err.value)
+
+
 @pytest.mark.parametrize("privacy, param", [(None, "privacy"), (dict(PRIVACY, steps=3), "steps"),
                                             (dict(PRIVACY, max_physical_batch_size=2), "max_physical_batch_size")])
 def test_privacy_arguments_the_trainer_decides_are_refused(tmp_path, privacy, param):

@@ -38,7 +38,8 @@ What changes against the plain Trainer, and why:
   continues the same noise stream and sampler from the checkpoint's step with the checkpoint's
   plan and ends with the same guarantee. As with make_private, a checkpoint saved without
   ``store_noise_seed=True`` resumes only with the original ``noise_seed`` passed again.
-  ``ignore_data_skip`` is set: the private loader itself starts at the checkpoint's step.
+  The trainer works on a copy of ``args`` with ``ignore_data_skip`` on (the private loader itself
+  starts at the checkpoint's step) and ``max_grad_norm`` 0; the caller's object is unchanged.
 
 Refused, one line naming the argument, because they would look at the data outside the
 mechanism or break per-example clipping: ``group_by_length`` / a ``train_sampling_strategy``
@@ -50,6 +51,7 @@ supported here), an iterable ``train_dataset``, and a subclass that overrides th
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import MutableMapping
@@ -164,6 +166,9 @@ class PrivateTrainer(transformers.Trainer):
         self._released_norm: float | None = None
         super().__init__(*args, **kwargs)
         _refuse_trainer_settings(self)
+        self.args = copy.copy(self.args)  # the settings below are this trainer's, not the caller's object's
+        self._default_clip = self.args.max_grad_norm
+        self.args.max_grad_norm = 0.0  # the Trainer clips nothing: the per-example clip is the privacy one
         self.args.ignore_data_skip = True  # the private loader starts at the checkpoint's step itself
         self.loss_is_scaled_for_ga = True  # the loss is each micro-batch's mean, as the clip expects
         self.add_callback(_ReleasedUpdateNorm(self))
@@ -216,8 +221,10 @@ class PrivateTrainer(transformers.Trainer):
         source = DataLoader(dataset, batch_size=expected, collate_fn=collator, **workers)
         try:
             _, private, loader = make_private(self.model, raw, source, **kwargs)
-        except TypeError as exc:  # a keyword make_private does not take
-            raise CorrnoiseError("privacy", str(exc)) from None
+        except TypeError as exc:
+            if "unexpected keyword argument" not in str(exc):
+                raise
+            raise CorrnoiseError("privacy", f"{str(exc).split('() ', 1)[-1]} (not a make_private keyword)") from None
         self._train_loader = _TrainerLoader(dataset, private.sampler, steps_per_epoch=private.plan.steps_per_epoch,
                                             collate_fn=collator, context=private.context, rank=loader.rank,
                                             world_size=loader.world_size, micro_batches=ga, **workers)
@@ -246,10 +253,10 @@ class PrivateTrainer(transformers.Trainer):
         plan's), the clip norm's default, and on resume the checkpoint's plan."""
         kwargs = dict(self._privacy)
         if kwargs.get("max_grad_norm") is None:
-            if not self.args.max_grad_norm or self.args.max_grad_norm <= 0:
+            if not self._default_clip or self._default_clip <= 0:
                 raise CorrnoiseError("max_grad_norm", "give the per-example clip norm in privacy= (or "
                                      "TrainingArguments.max_grad_norm > 0)")
-            kwargs["max_grad_norm"] = self.args.max_grad_norm
+            kwargs["max_grad_norm"] = self._default_clip
         plan = self._given_plan
         saved = self._checkpoint_plan()
         if saved is not None and plan is None:
