@@ -145,7 +145,11 @@ def test_causal_lm_loss_is_a_mean_of_per_example_token_means(tmp_path):
 
 
 def test_bert_classifier_trains_with_per_example_cross_entropy(tmp_path):
-    trainer = _trainer(tmp_path, model=_bert(), task="cls", privacy=PrivacyArguments(**PRIVACY))
+    """Training loss = the built-in (mean of per-example cross entropies); evaluation during
+    training uses the Trainer's own loss and leaves the private step alone."""
+    trainer = PrivateTrainer(model=_bert(), args=_args(tmp_path, eval_strategy="steps", eval_steps=1),
+                             train_dataset=_Texts("cls"), eval_dataset=_Texts("cls", n=8),
+                             privacy=PrivacyArguments(**PRIVACY))
     model = trainer.model.train()
     batch = torch.utils.data.default_collate([_Texts("cls")[i] for i in range(4)])
     with torch.no_grad():
@@ -153,6 +157,7 @@ def test_bert_classifier_trains_with_per_example_cross_entropy(tmp_path):
     before = _params(model)
     trainer.train()
     assert trainer.private_optimizer.steps_taken == 2
+    assert sum("eval_loss" in entry for entry in trainer.state.log_history) == 2
     assert any(not torch.equal(p, before[n]) for n, p in _params(model).items())
     with pytest.raises(CorrnoiseError) as err:
         trainer.train()
@@ -188,6 +193,9 @@ def test_resumed_checkpoint_continues_the_noise_stream_and_the_sampler(tmp_path)
     with pytest.raises(CorrnoiseError) as err:  # another noise seed would restart C^-1 Z mid-run
         _trainer(tmp_path / "run", privacy=dict(privacy, noise_seed=1), max_steps=4).train(checkpoint)
     _one_line(err, "noise_seed")
+    with pytest.raises(CorrnoiseError) as err:  # the checkpoint's plan continues the run
+        _trainer(tmp_path / "run", privacy=dict(privacy, mechanism="bsr:3"), max_steps=4).train(checkpoint)
+    _one_line(err, "mechanism")
     resumed = _trainer(tmp_path / "run", privacy={k: v for k, v in privacy.items() if k != "seed"}, max_steps=4)
     resumed.train(resume_from_checkpoint=checkpoint)
 

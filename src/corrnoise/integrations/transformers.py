@@ -64,7 +64,7 @@ import transformers
 from torch.utils.data import DataLoader
 
 from ..errors import CorrnoiseError
-from ..runplan import RunPlan
+from ..runplan import RunPlan, is_planned
 from ..torch import make_private
 from ..torch.dp_optimizer import DPOptimizer
 from ..torch.loader import DPDataLoader
@@ -454,8 +454,16 @@ def _privacy_kwargs(privacy, plan) -> dict[str, Any]:
 
 
 def _check_saved_plan(saved: RunPlan, kwargs: dict[str, Any]) -> None:
-    """On resume, the checkpoint's plan continues the run; the privacy keywords must not ask for
-    a stronger guarantee than it has (another delta, a smaller epsilon)."""
+    """On resume, the checkpoint's plan continues the run; the privacy keywords must not name
+    another mechanism or batching, nor ask for a stronger guarantee (another delta, a smaller
+    epsilon). ``auto`` and planner families accept the plan's choice."""
+    mechanism = kwargs.get("mechanism")
+    if isinstance(mechanism, str) and not is_planned(mechanism) and mechanism != saved.label:
+        raise CorrnoiseError("mechanism", f"the checkpoint's run uses {saved.label!r}, not {mechanism!r}")
+    batching = kwargs.get("batching")
+    if isinstance(batching, str) and batching != "auto" and saved.sampler.name not in (None, batching):
+        raise CorrnoiseError("batching", f"the checkpoint's run uses {saved.sampler.name!r} batching, not "
+                             f"{batching!r}")
     delta = kwargs.get("delta")
     if delta is not None and delta != saved.delta:
         raise CorrnoiseError("delta", f"the checkpoint's plan is for delta {saved.delta:g}, not {delta:g}")
