@@ -309,3 +309,14 @@ def test_trl_packing_is_refused(tmp_path, setting):
         PrivateSFTTrainer(model=_gpt2(), args=config, train_dataset=train, processing_class=tokenizer,
                           privacy=PRIVACY)
     _one_line(err, setting)
+
+
+def test_the_integrations_package_imports_transformers_only_when_asked():
+    import subprocess
+    import sys
+
+    code = ("import sys, corrnoise, corrnoise.integrations; assert 'transformers' not in sys.modules; "
+            "from corrnoise.integrations import PrivateTrainer; assert 'transformers' in sys.modules; "
+            "assert 'trl' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])})

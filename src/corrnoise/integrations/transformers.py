@@ -296,7 +296,10 @@ class PrivateTrainer(transformers.Trainer):
         """Forward and backward of one micro-batch; its clipped sum joins the step's. The
         Trainer's optimizer step at the end of the logical batch adds the noise row. An empty
         micro-batch (a small Poisson batch) contributes nothing and runs no forward."""
-        micro = inputs.pop(_MICRO_KEY)
+        micro = inputs.pop(_MICRO_KEY, None)
+        if micro is None:
+            raise CorrnoiseError("inputs", "not a batch of the private train loader (get_train_dataloader): only "
+                                 "its batches are the accounted ones")
         context = self.private_optimizer.context
         context.current_step, context.size, context.mask, context.more_micro_batches = micro
         if micro.size == 0:
