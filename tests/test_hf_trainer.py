@@ -230,6 +230,25 @@ def test_a_custom_train_sampler_is_refused(tmp_path):
     _one_line(err, "_get_train_sampler")
 
 
+def test_a_given_plan_is_trained_as_planned(tmp_path):
+    from corrnoise.runplan import plan_run
+
+    plan = plan_run(dataset_size=N, batch_size=4, delta=1e-5, mechanism="bsr:2", batching="cyclic",
+                    noise_multiplier=1.0, steps=2)
+    trainer = PrivateTrainer(model=_gpt2(), args=_args(tmp_path, max_steps=-1), train_dataset=_Texts(), plan=plan,
+                             privacy=dict(max_grad_norm=1.0, noise_seed=0))
+    trainer.train()
+    assert trainer.plan is plan and trainer.state.global_step == trainer.private_optimizer.steps_taken == 2
+    with pytest.raises(CorrnoiseError) as err:  # a length that is not the plan's
+        PrivateTrainer(model=_gpt2(), args=_args(tmp_path, max_steps=3), train_dataset=_Texts(), plan=plan,
+                       privacy=dict(max_grad_norm=1.0)).train()
+    _one_line(err, "max_steps")
+    with pytest.raises(CorrnoiseError) as err:  # planning keywords beside a plan
+        PrivateTrainer(model=_gpt2(), args=_args(tmp_path), train_dataset=_Texts(), plan=plan,
+                       privacy=dict(max_grad_norm=1.0, epsilon=3.0)).train()
+    _one_line(err, "epsilon")
+
+
 def test_the_clip_norm_defaults_to_training_arguments_which_stay_unchanged(tmp_path):
     args = _args(tmp_path, max_grad_norm=0.5)
     privacy = {k: v for k, v in PRIVACY.items() if k != "max_grad_norm"}
