@@ -617,3 +617,28 @@ def test_engine_clipped_sum_equals_opacus_per_sample_clipping():
         opt.step()
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad * 7.0, w, rtol=1e-10, atol=1e-12)
+
+
+def test_micro_batches_cut_every_logical_batch_into_exactly_k_parts():
+    """DPDataLoader(micro_batches=k) (the Hugging Face Trainer's fixed accumulation): every
+    sampled batch becomes exactly k contiguous parts of near-equal size, empty ones included, the
+    last one flagged as the end of the logical batch."""
+    from corrnoise.torch.loader import DPDataLoader
+
+    data = TensorDataset(torch.arange(20.0))
+    sampler = PoissonSampler(20, 0.15, steps=6, seed=4)
+    loader = DPDataLoader(data, sampler, steps_per_epoch=6, micro_batches=3)
+    assert len(loader) == 18
+    parts, ends = [], []
+    for (x,) in loader:
+        parts.append(x.long().tolist())
+        ends.append(not loader.context.more_micro_batches)
+    assert ends == [False, False, True] * 6
+    for t in range(6):
+        cut = parts[3 * t: 3 * t + 3]
+        assert sum(cut, []) == list(sampler.batch(t))
+        assert max(map(len, cut)) - min(map(len, cut)) <= 1
+    assert any(len(p) == 0 for p in parts)
+    with pytest.raises(CorrnoiseError) as err:
+        DPDataLoader(data, sampler, steps_per_epoch=6, micro_batches=3, max_physical_batch_size=2)
+    assert err.value.param == "micro_batches"

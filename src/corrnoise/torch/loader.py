@@ -86,11 +86,13 @@ class _PaddedItems:
 
 class _MicroBatches:
     """Batch sampler over steps [start, stop) of a corrnoise sampler, each logical batch cut
-    into micro-batches of at most ``size`` entries (an empty batch stays one empty micro-batch).
+    into micro-batches of at most ``size`` entries (an empty batch stays one empty micro-batch),
+    or into exactly ``parts`` near-equal micro-batches (some may be empty).
     With ``world_size > 1`` only this rank's share of each logical batch (:func:`.distributed.local_batch`)."""
 
-    def __init__(self, sampler: BatchSampler, size: int | None, rank: int = 0, world_size: int = 1):
-        self.sampler, self.size = sampler, size
+    def __init__(self, sampler: BatchSampler, size: int | None, rank: int = 0, world_size: int = 1,
+                 parts: int | None = None):
+        self.sampler, self.size, self.parts = sampler, size, parts
         self.rank, self.world_size = rank, world_size
         self.start, self.stop = 0, sampler.steps
 
@@ -102,6 +104,9 @@ class _MicroBatches:
             batch = list(self.sampler.batch(t))
             if self.world_size > 1:
                 batch = local_batch(batch, self.rank, self.world_size)
+            if self.parts is not None:
+                yield from _equal_parts(t, batch, self.parts)
+                continue
             if self.size is None or len(batch) <= self.size:
                 yield t, batch, True
                 continue
@@ -114,6 +119,17 @@ class _MicroBatches:
     def __iter__(self):
         for _, batch, _ in self.cuts():
             yield batch
+
+
+def _equal_parts(t: int, batch: list[int], parts: int) -> Iterator[tuple[int, list[int], bool]]:
+    """Batch ``t`` cut into exactly ``parts`` contiguous micro-batches whose sizes differ by at
+    most one (the first ``len(batch) % parts`` one larger; empty ones when the batch is short)."""
+    base, extra = divmod(len(batch), parts)
+    lo = 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        yield t, batch[lo:hi], i == parts - 1
+        lo = hi
 
 
 class DPDataLoader(DataLoader):
@@ -129,11 +145,17 @@ class DPDataLoader(DataLoader):
     Data parallel (``world_size > 1``): every rank holds the same sampler (same seed), so every
     rank forms the same global -- accounted -- batch and yields only its ``rank``-th share
     (every ``world_size``-th index); the shares partition the batch. A share may be empty.
+
+    ``micro_batches=k`` (instead of ``max_physical_batch_size``) cuts every logical batch into
+    exactly k near-equal micro-batches, some possibly empty: for loops that accumulate a fixed
+    number of backward passes per optimizer step (the Hugging Face Trainer's
+    ``gradient_accumulation_steps``), so that their optimizer steps and the logical batches
+    line up whatever size the sampler drew.
     """
 
     def __init__(self, dataset, sampler: BatchSampler, *, steps_per_epoch: int, collate_fn=None,
                  max_physical_batch_size=None, context: StepContext | None = None, rank: int = 0,
-                 world_size: int = 1, **loader_kwargs):
+                 world_size: int = 1, micro_batches: int | None = None, **loader_kwargs):
         from torch.utils.data import default_collate
 
         self.corrnoise_sampler = sampler
@@ -144,7 +166,12 @@ class DPDataLoader(DataLoader):
         items = _PaddedItems(dataset, sampler.num_examples) if self._padded else dataset
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
-        self._cutter = _MicroBatches(sampler, max_physical_batch_size, self.rank, self.world_size)
+        if micro_batches is not None:
+            micro_batches = check_int("micro_batches", micro_batches, minimum=1)
+            if max_physical_batch_size is not None:
+                raise CorrnoiseError("micro_batches", "give it or max_physical_batch_size, not both")
+        self.micro_batches = micro_batches
+        self._cutter = _MicroBatches(sampler, max_physical_batch_size, self.rank, self.world_size, micro_batches)
         super().__init__(items, batch_sampler=self._cutter,
                          collate_fn=_Collate(dataset, collate_fn or default_collate), **loader_kwargs)
 

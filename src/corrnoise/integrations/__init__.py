@@ -1,0 +1,28 @@
+"""Integrations with other training frameworks; each imports its framework only when used.
+
+* :mod:`corrnoise.integrations.transformers`: :class:`PrivateTrainer`, a Hugging Face
+  ``transformers.Trainer`` that trains with :func:`corrnoise.torch.make_private` (``pip install
+  corrnoise[transformers]``).
+* :mod:`corrnoise.integrations.trl`: :class:`PrivateSFTTrainer`, the same for trl's
+  ``SFTTrainer`` (``pip install trl``).
+
+``from corrnoise.integrations import PrivateTrainer`` imports transformers at that moment (and
+``PrivateSFTTrainer`` trl), not when this package is imported.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PrivateTrainer", "PrivacyArguments", "PrivateSFTTrainer"]
+
+
+def __getattr__(name: str):
+    """Lazy access to the transformers integration (transformers is an optional dependency)."""
+    if name == "PrivateSFTTrainer":
+        from .trl import PrivateSFTTrainer
+
+        return PrivateSFTTrainer
+    if name in __all__:
+        from . import transformers as _transformers
+
+        return getattr(_transformers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

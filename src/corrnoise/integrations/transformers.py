@@ -1,0 +1,518 @@
+"""Private fine-tuning with the Hugging Face Trainer: :class:`PrivateTrainer`.
+
+An existing ``transformers.Trainer`` script becomes private by changing the class and adding
+``privacy=`` (the keywords of :func:`corrnoise.torch.make_private`) or ``plan=`` (a
+:class:`~corrnoise.runplan.RunPlan`)::
+
+    trainer = PrivateTrainer(model=model, args=args, train_dataset=train, data_collator=collator,
+                             privacy=dict(epsilon=8.0, delta=1e-5, max_grad_norm=1.0))
+    trainer.train()
+
+What changes against the plain Trainer, and why:
+
+* **Batches.** The training batches are the planned sampler's (Poisson, block-cyclic,
+  balls-in-bins, cyclic), collated with the Trainer's ``data_collator``: one logical batch of
+  expected size ``per_device_train_batch_size x gradient_accumulation_steps x world size`` is one
+  optimizer step and one noise row. The Trainer accumulates a fixed number of backward passes
+  per step, so each logical batch is cut into exactly ``gradient_accumulation_steps``
+  near-equal micro-batches (:class:`~corrnoise.torch.loader.DPDataLoader` ``micro_batches``); a
+  Poisson batch larger than expected gives larger micro-batches. The length of the run is the
+  plan's (``max_steps``, or ``num_train_epochs`` of the private loader's epochs).
+* **Loss.** The Trainer computes one loss per example and their mean over the micro-batch
+  (``loss_reduction="mean"``), never a token mean over the whole batch (which would scale each
+  example's gradient by the other examples' lengths, breaking the per-example sensitivity):
+  token-level labels (causal LM, shifted by one; token classification) give each example's mean
+  token loss, sequence classification its cross entropy (squared error for regression, binary
+  cross entropy averaged over labels for multi-label). Override :meth:`PrivateTrainer.per_example_losses`
+  for anything else. Evaluation uses the model's own loss, unchanged.
+* **Clipping.** ``TrainingArguments.max_grad_norm`` never clips the raw gradients (the
+  per-example clip of the mechanism is the privacy one); it is the default of
+  ``privacy["max_grad_norm"]``. The logged ``grad_norm`` is the norm of the released (clipped,
+  noised, averaged) update, which is public; the raw gradient norm would not be.
+* **Logs.** ``epsilon`` (the planned run's guarantee, ``optimizer.privacy_spent()``, which
+  bounds every prefix of it) is logged beside the loss. The logged training loss and any
+  evaluation metric are computed from the data without noise: they are not private.
+* **Checkpoints.** ``optimizer.pt`` holds the private optimizer's state (noise stream position,
+  the sampler seed and recent noise rows of stateful mechanisms: keep checkpoints as private as
+  the data); ``privacy_plan.json`` beside it records the plan. ``resume_from_checkpoint``
+  continues the same noise stream and sampler from the checkpoint's step with the checkpoint's
+  plan and ends with the same guarantee. As with make_private, a checkpoint saved without
+  ``store_noise_seed=True`` resumes only with the original ``noise_seed`` passed again.
+  The trainer works on a copy of ``args`` with ``ignore_data_skip`` on (the private loader itself
+  starts at the checkpoint's step) and ``max_grad_norm`` 0; the caller's object is unchanged.
+
+Refused, one line naming the argument, because they would look at the data outside the
+mechanism or break per-example clipping: ``group_by_length`` / a ``train_sampling_strategy``
+other than ``random``, ``neftune_noise_alpha``, ``label_smoothing_factor``,
+``compute_loss_func``, ``model_init``, ``auto_find_batch_size``, ``torch_compile``, gradient
+checkpointing, ``fp16`` (a loss scaler), DeepSpeed / FSDP, more than one process (not yet
+supported here), an iterable ``train_dataset``, and a subclass that overrides the train sampler.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import MutableMapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils.data import DataLoader
+
+from ..errors import CorrnoiseError
+from ..runplan import RunPlan, is_planned
+from ..torch import make_private
+from ..torch.dp_optimizer import DPOptimizer
+from ..torch.loader import DPDataLoader
+
+__all__ = ["PrivateTrainer", "PrivacyArguments", "PLAN_FILE"]
+
+#: the plan's file in every checkpoint folder (beside ``optimizer.pt``, which holds the noise state)
+PLAN_FILE = "privacy_plan.json"
+#: the key under which each training batch carries its place in the logical batch
+_MICRO_KEY = "_corrnoise_micro_batch"
+#: make_private keywords that the Trainer decides (from TrainingArguments or by construction)
+_TRAINER_DECIDES = {
+    "epochs": "TrainingArguments.num_train_epochs", "steps": "TrainingArguments.max_steps",
+    "max_physical_batch_size": "per_device_train_batch_size x gradient_accumulation_steps",
+    "loss_reduction": "the Trainer's per-example loss (mean)", "distributed": "the Trainer's process setup",
+}
+#: make_private keywords that plan the run (a checkpoint's plan replaces them on resume)
+_PLANNING = ("mechanism", "batching", "epsilon", "noise_multiplier", "noise_std", "guarantee", "delta",
+             "accounting_method", "accounting_options")
+
+
+@dataclass(frozen=True)
+class PrivacyArguments:
+    """The privacy keywords of :func:`corrnoise.torch.make_private` for :class:`PrivateTrainer`
+    (a plain dict works the same). ``max_grad_norm`` None: ``TrainingArguments.max_grad_norm``.
+    ``extra``: further make_private keywords passed through as given (e.g. ones newer than this
+    class)."""
+
+    mechanism: Any = "auto"
+    epsilon: float | None = None
+    delta: float | None = None
+    max_grad_norm: float | None = None
+    batching: Any = "auto"
+    noise_multiplier: float | None = None
+    noise_std: float | None = None
+    guarantee: Any = None
+    noise_seed: int | None = None
+    store_noise_seed: bool = False
+    nan_policy: str = "warn"
+    seed: int | None = None
+    accounting_method: str = "auto"
+    accounting_options: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The make_private keywords (``extra`` merged in)."""
+        kwargs = asdict(self)
+        return {**{k: v for k, v in kwargs.items() if k != "extra"}, **self.extra}
+
+
+class _Micro(NamedTuple):
+    """Where a training batch sits: its logical step, its size, its padding mask, and whether
+    more micro-batches of the same step follow (what the private optimizer's step context holds)."""
+
+    step: int
+    size: int
+    mask: torch.Tensor | None
+    more: bool
+
+
+class _TrainerLoader(DPDataLoader):
+    """The private loader, tagging every batch with its :class:`_Micro`: the Trainer fetches a
+    step's micro-batches before training on them, so the shared step context would otherwise
+    describe the last one fetched, not the one in hand."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if not isinstance(batch, MutableMapping):
+                raise CorrnoiseError("data_collator", f"must return a dict of model inputs, got "
+                                     f"{type(batch).__name__}")
+            c = self.context
+            batch[_MICRO_KEY] = _Micro(c.current_step, c.size, c.mask, c.more_micro_batches)
+            yield batch
+
+
+class PrivateTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains with a corrnoise private optimizer.
+
+    Arguments: those of ``transformers.Trainer``, plus ``privacy`` (a dict or
+    :class:`PrivacyArguments` of :func:`corrnoise.torch.make_private` keywords: ``mechanism``,
+    ``epsilon``, ``delta``, ``max_grad_norm``, ``batching``, ``noise_seed``,
+    ``store_noise_seed``, ``nan_policy``, ...; unknown keys go to make_private as given) and/or
+    ``plan`` (a :class:`~corrnoise.runplan.RunPlan`, which then decides the run; ``privacy``
+    holds only the keywords that do not plan, such as ``max_grad_norm`` and ``noise_seed``).
+    See the module docstring for what changes against the Trainer and why. After (or during)
+    ``train()``: ``trainer.private_optimizer`` (the :class:`~corrnoise.torch.DPOptimizer`),
+    ``trainer.plan`` and ``trainer.privacy_spent()``."""
+
+    def __init__(self, *args, privacy: PrivacyArguments | dict[str, Any] | None = None,
+                 plan: RunPlan | None = None, **kwargs):
+        if not hasattr(transformers.Trainer, "loss_is_scaled_for_ga"):
+            raise CorrnoiseError("transformers", f"version {transformers.__version__} is too old for PrivateTrainer "
+                                 "(it needs Trainer.loss_is_scaled_for_ga, so that each micro-batch's loss reaches "
+                                 "backward as the mean the per-example clip expects); upgrade transformers")
+        self._privacy = _privacy_kwargs(privacy, plan)
+        self._given_plan = plan
+        self.private_optimizer: DPOptimizer | None = None
+        self._resume_dir: str | None = None
+        self._released_norm: float | None = None
+        super().__init__(*args, **kwargs)
+        _refuse_trainer_settings(self)
+        self.args = copy.copy(self.args)  # the settings below are this trainer's, not the caller's object's
+        self._default_clip = self.args.max_grad_norm
+        self.args.max_grad_norm = 0.0  # the Trainer clips nothing: the per-example clip is the privacy one
+        self.args.ignore_data_skip = True  # the private loader starts at the checkpoint's step itself
+        self.loss_is_scaled_for_ga = True  # the loss is each micro-batch's mean, as the clip expects
+        self.add_callback(_ReleasedUpdateNorm(self))
+
+    # --- the run --------------------------------------------------------------------------------
+    @property
+    def plan(self) -> RunPlan | None:
+        """The plan being trained (None before ``train()``)."""
+        return None if self.private_optimizer is None else self.private_optimizer.plan
+
+    def privacy_spent(self):
+        """The guarantee of the planned run (:meth:`corrnoise.torch.DPOptimizer.privacy_spent`)."""
+        if self.private_optimizer is None:
+            raise CorrnoiseError("privacy_spent", "nothing is trained yet: call train() first")
+        return self.private_optimizer.privacy_spent()
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train``, once per PrivateTrainer (a plan is trained once; resume a run with
+        a new PrivateTrainer and ``resume_from_checkpoint``)."""
+        if self.private_optimizer is not None:
+            raise CorrnoiseError("train", "this PrivateTrainer has trained its plan already; build a new one "
+                                 "(resume_from_checkpoint continues a run from a checkpoint)")
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise CorrnoiseError("resume_from_checkpoint", f"no checkpoint in {self.args.output_dir!r}")
+        self._resume_dir = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The private loader (see the module docstring); makes the optimizer private on first use."""
+        if self.private_optimizer is None:
+            self._make_private()
+        return self._train_loader
+
+    def create_optimizer(self, *args, **kwargs):
+        """The private optimizer, made with the training loader (:meth:`get_train_dataloader`)."""
+        if self.private_optimizer is None:
+            self._make_private()
+        return self.optimizer
+
+    def _make_private(self) -> None:
+        """Build the Trainer's optimizer, plan the run and make model and optimizer private."""
+        dataset, collator = self._training_data()
+        ga = self.args.gradient_accumulation_steps
+        expected = self._train_batch_size * ga * self.args.world_size
+        raw = super().create_optimizer()
+        kwargs = self._make_private_kwargs()
+        workers = dict(num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        source = DataLoader(dataset, batch_size=expected, collate_fn=collator, **workers)
+        try:
+            _, private, loader = make_private(self.model, raw, source, **kwargs)
+        except TypeError as exc:
+            if "unexpected keyword argument" not in str(exc):
+                raise
+            raise CorrnoiseError("privacy", f"{str(exc).split('() ', 1)[-1]} (not a make_private keyword)") from None
+        self._train_loader = _TrainerLoader(dataset, private.sampler, steps_per_epoch=private.plan.steps_per_epoch,
+                                            collate_fn=collator, context=private.context, rank=loader.rank,
+                                            world_size=loader.world_size, micro_batches=ga, **workers)
+        self.private_optimizer = self.optimizer = private
+
+    def _training_data(self):
+        """The train dataset and collator as the Trainer prepares them (unused columns removed)."""
+        dataset = self.train_dataset
+        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
+            raise CorrnoiseError("train_dataset", "needs a map-style dataset with a length (the sampler draws indices)")
+        collator = self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        return dataset, collator
+
+    def _make_private_kwargs(self) -> dict[str, Any]:
+        """make_private's keywords: the privacy ones, the length from TrainingArguments (or the
+        plan's), the clip norm's default, and on resume the checkpoint's plan."""
+        kwargs = dict(self._privacy)
+        if kwargs.get("max_grad_norm") is None:
+            if not self._default_clip or self._default_clip <= 0:
+                raise CorrnoiseError("max_grad_norm", "give the per-example clip norm in privacy= (or "
+                                     "TrainingArguments.max_grad_norm > 0)")
+            kwargs["max_grad_norm"] = self._default_clip
+        plan = self._given_plan
+        saved = self._checkpoint_plan()
+        if saved is not None and plan is None:
+            _check_saved_plan(saved, kwargs)
+            kwargs = {k: v for k, v in kwargs.items() if k not in _PLANNING}
+            plan = saved
+        if plan is not None:
+            if self.args.max_steps > 0 and self.args.max_steps != plan.steps:
+                raise CorrnoiseError("max_steps", f"is {self.args.max_steps} but the plan has {plan.steps} steps; "
+                                     "leave max_steps unset (-1) to train the plan")
+            return {**kwargs, "plan": plan}
+        length = {"steps": self.args.max_steps} if self.args.max_steps > 0 else \
+            {"epochs": float(self.args.num_train_epochs)}
+        return {**kwargs, **length}
+
+    def _checkpoint_plan(self) -> RunPlan | None:
+        """The plan saved in the checkpoint being resumed, if any."""
+        if self._resume_dir is None:
+            return None
+        path = os.path.join(self._resume_dir, PLAN_FILE)
+        return RunPlan.from_json(path) if os.path.isfile(path) else None
+
+    def set_initial_training_values(self, args, dataloader):
+        """The Trainer's bookkeeping with the plan's length: ``max_steps`` is the plan's steps and
+        an epoch is a pass of the private loader."""
+        values = list(super().set_initial_training_values(args, dataloader))
+        plan = self.private_optimizer.plan
+        per_epoch = min(plan.steps_per_epoch, plan.steps)
+        values[0] = math.ceil(plan.steps / per_epoch)  # num_train_epochs
+        values[1] = per_epoch  # num_update_steps_per_epoch
+        values[5] = per_epoch * args.gradient_accumulation_steps  # steps_in_epoch (micro-batches)
+        values[6] = plan.steps  # max_steps
+        return tuple(values)
+
+    # --- one micro-batch ------------------------------------------------------------------------
+    def training_step(self, model, inputs, *args, **kwargs):
+        """Forward and backward of one micro-batch; its clipped sum joins the step's. The
+        Trainer's optimizer step at the end of the logical batch adds the noise row. An empty
+        micro-batch (a small Poisson batch) contributes nothing and runs no forward."""
+        micro = inputs.pop(_MICRO_KEY, None)
+        if micro is None:
+            raise CorrnoiseError("inputs", "not a batch of the private train loader (get_train_dataloader): only "
+                                 "its batches are the accounted ones")
+        context = self.private_optimizer.context
+        context.current_step, context.size, context.mask, context.more_micro_batches = micro
+        if micro.size == 0:
+            loss = torch.zeros((), device=self.args.device)
+        else:
+            loss = super().training_step(model, inputs, *args, **kwargs)
+        if micro.more:
+            self.private_optimizer.step()  # mid logical batch: keeps the clipped sum, adds no noise
+        return loss / self.args.gradient_accumulation_steps  # logged loss: the step's, as the Trainer's
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """In training, the mean over the micro-batch of :meth:`per_example_losses`; in
+        evaluation, the Trainer's."""
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if "labels" not in inputs:
+            raise CorrnoiseError("train_dataset", "batches carry no 'labels': the private loss is computed per "
+                                 "example from them")
+        labels = inputs["labels"]
+        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+        loss = self.per_example_losses(model, outputs, labels).mean()
+        return (loss, outputs) if return_outputs else loss
+
+    def per_example_losses(self, model, outputs, labels) -> torch.Tensor:
+        """One loss per example, shape (B,): token-level labels give each example's mean token
+        cross entropy (causal LMs shifted by one, as their built-in loss); sequence-level labels
+        the model's classification or regression loss per example. Override for other tasks;
+        the result must be one entry per example, depending on that example alone."""
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        if labels.dim() >= 2 and logits.dim() == labels.dim() + 1:
+            return _token_mean_losses(logits, labels, shift=self._is_causal_lm(model))
+        return _sequence_losses(logits, labels, _config_of(self.accelerator.unwrap_model(model)))
+
+    def _is_causal_lm(self, model) -> bool:
+        """Whether the model is a causal LM (labels are the inputs, predicted one position ahead),
+        by the Trainer's own test."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        unwrapped = self.accelerator.unwrap_model(model)
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        return base._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+    # --- clipping, logs and checkpoints -----------------------------------------------------------
+    def _clip_grad_norm(self, model):
+        """Never clip the raw gradients: the mechanism's per-example clip is the privacy one."""
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """No raw gradient norm (it is not private); :meth:`log` reports the released update's."""
+        return None
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """The Trainer's log, with ``epsilon`` (the run's guarantee) and, for training steps,
+        ``grad_norm`` = the norm of the last released update."""
+        if self.private_optimizer is not None and ("loss" in logs or "train_loss" in logs):
+            logs = dict(logs)
+            logs["epsilon"] = float(self.private_optimizer.privacy_spent().epsilon)
+            if "loss" in logs and self._released_norm is not None:
+                logs["grad_norm"] = self._released_norm
+        super().log(logs, *args, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's optimizer and scheduler files (the private optimizer's state includes the
+        noise stream and the sampler seed), and the plan beside them."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save and self.plan is not None:
+            self.plan.to_json(os.path.join(output_dir, PLAN_FILE))
+
+
+class _ReleasedUpdateNorm(transformers.TrainerCallback):
+    """Right after each optimizer step, the norm of the update the step released (clipped sum +
+    noise, over the expected batch size; still in ``.grad`` until the Trainer zeroes it)."""
+
+    def __init__(self, trainer: PrivateTrainer):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        private = self.trainer.private_optimizer
+        grads = [p.grad for p in private.params if p.grad is not None] if private is not None else []
+        if grads:
+            self.trainer._released_norm = float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
+# --- losses --------------------------------------------------------------------------------------
+def _token_mean_losses(logits: torch.Tensor, labels: torch.Tensor, *, shift: bool) -> torch.Tensor:
+    """Each example's mean cross entropy over its labelled tokens (label -100 is ignored; an
+    example without any labelled token has loss 0)."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    labels = labels.to(logits.device)
+    tokens = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                             reduction="none").view(labels.shape)
+    counted = (labels != -100).reshape(labels.shape[0], -1)
+    return tokens.reshape(labels.shape[0], -1).sum(1) / counted.sum(1).clamp(min=1).to(tokens.dtype)
+
+
+def _sequence_losses(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
+    """The loss a sequence classifier computes (by ``config.problem_type`` and ``num_labels``,
+    as transformers decides it), one value per example."""
+    labels = labels.to(logits.device)
+    num_labels = getattr(config, "num_labels", logits.shape[-1])
+    problem = getattr(config, "problem_type", None)
+    if problem is None:
+        if num_labels == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    if problem == "regression":
+        diff = (logits.squeeze(-1) if num_labels == 1 else logits) - labels.to(logits.dtype)
+        return diff.pow(2).reshape(diff.shape[0], -1).mean(1)
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1), reduction="none")
+    if problem == "multi_label_classification":
+        losses = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+        return losses.reshape(losses.shape[0], -1).mean(1)
+    raise CorrnoiseError("problem_type", f"{problem!r} has no per-example loss here; override "
+                         "PrivateTrainer.per_example_losses")
+
+
+def _config_of(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "config", None)
+
+
+# --- arguments -----------------------------------------------------------------------------------
+def _privacy_kwargs(privacy, plan) -> dict[str, Any]:
+    """``privacy=`` as make_private keywords, refusing the ones the Trainer decides."""
+    if privacy is None and plan is None:
+        raise CorrnoiseError("privacy", "give privacy= (make_private's keywords, e.g. epsilon, delta, "
+                             "max_grad_norm) or plan= (a corrnoise RunPlan)")
+    if plan is not None and not isinstance(plan, RunPlan):
+        raise CorrnoiseError("plan", f"must be a corrnoise.runplan.RunPlan, got {type(plan).__name__}")
+    if isinstance(privacy, PrivacyArguments):
+        kwargs = privacy.to_kwargs()
+        if plan is not None:  # defaults of planning fields are not a choice beside a plan
+            defaults = PrivacyArguments().to_kwargs()
+            kwargs = {k: v for k, v in kwargs.items() if k not in _PLANNING or v != defaults[k]}
+    elif privacy is None or isinstance(privacy, dict):
+        kwargs = dict(privacy or {})
+    else:
+        raise CorrnoiseError("privacy", f"must be a dict or PrivacyArguments, got {type(privacy).__name__}")
+    for key, where in _TRAINER_DECIDES.items():
+        if key in kwargs:
+            raise CorrnoiseError(key, f"is decided by the Trainer ({where}); leave it out of privacy=")
+    for key in ("module", "optimizer", "data_loader", "plan"):
+        if key in kwargs:
+            raise CorrnoiseError(key, "is the Trainer's; leave it out of privacy= (pass a plan as plan=)")
+    return kwargs
+
+
+def _check_saved_plan(saved: RunPlan, kwargs: dict[str, Any]) -> None:
+    """On resume, the checkpoint's plan continues the run; the privacy keywords must not name
+    another mechanism or batching, nor ask for a stronger guarantee (another delta, a smaller
+    epsilon). ``auto`` and planner families accept the plan's choice."""
+    mechanism = kwargs.get("mechanism")
+    if isinstance(mechanism, str) and not is_planned(mechanism) and mechanism != saved.label:
+        raise CorrnoiseError("mechanism", f"the checkpoint's run uses {saved.label!r}, not {mechanism!r}")
+    batching = kwargs.get("batching")
+    if isinstance(batching, str) and batching != "auto" and saved.sampler.name not in (None, batching):
+        raise CorrnoiseError("batching", f"the checkpoint's run uses {saved.sampler.name!r} batching, not "
+                             f"{batching!r}")
+    delta = kwargs.get("delta")
+    if delta is not None and delta != saved.delta:
+        raise CorrnoiseError("delta", f"the checkpoint's plan is for delta {saved.delta:g}, not {delta:g}")
+    epsilon = kwargs.get("epsilon")
+    if epsilon is not None and saved.guarantee is not None and saved.guarantee.epsilon > epsilon * (1 + 1e-9):
+        raise CorrnoiseError("epsilon", f"the checkpoint's plan guarantees epsilon {saved.guarantee.epsilon:g}, "
+                             f"more than {epsilon:g}")
+
+
+def _refuse_trainer_settings(trainer: PrivateTrainer) -> None:
+    """One line naming the first Trainer setting that would look at the data outside the
+    mechanism, break per-example clipping, or is not supported with it yet."""
+    args = trainer.args
+    refusals = [
+        ("group_by_length", getattr(args, "group_by_length", False),
+         "sorts examples by length outside the sampler the accounting analyses"),
+        ("train_sampling_strategy", getattr(args, "train_sampling_strategy", "random") != "random",
+         "orders examples outside the sampler the accounting analyses; leave it 'random'"),
+        ("neftune_noise_alpha", getattr(trainer, "neftune_noise_alpha", None) is not None
+         or getattr(args, "neftune_noise_alpha", None) is not None,
+         "its embedding noise is not the mechanism's and its scale depends on the batch's lengths"),
+        ("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0) != 0,
+         "the label smoother is a batch loss; override PrivateTrainer.per_example_losses instead"),
+        ("compute_loss_func", getattr(trainer, "compute_loss_func", None) is not None,
+         "a batch loss; override PrivateTrainer.per_example_losses (one loss per example) instead"),
+        ("model_init", getattr(trainer, "model_init", None) is not None,
+         "a private run trains one model once (hyperparameter search would spend privacy per trial)"),
+        ("auto_find_batch_size", getattr(args, "auto_find_batch_size", False),
+         "would change the batch size mid-run, outside the plan"),
+        ("torch_compile", getattr(args, "torch_compile", False),
+         "a compiled model does not run the clipping engine's module hooks"),
+        ("gradient_checkpointing", getattr(args, "gradient_checkpointing", False)
+         or getattr(args, "activation_checkpointing", False),
+         "its forward during backward is refused by the clipping engine"),
+        ("fp16", getattr(args, "fp16", False),
+         "the loss scaler scales the captured gradients; use bf16 or full precision"),
+        ("deepspeed", getattr(trainer, "is_deepspeed_enabled", False), "is not supported with private training"),
+        ("fsdp", getattr(trainer, "is_fsdp_enabled", False), "is not supported with private training"),
+        ("world_size", args.world_size > 1 or getattr(args, "n_gpu", 1) > 1,
+         "more than one process or GPU is not supported by PrivateTrainer yet; train on one device"),
+    ]
+    for name, bad, why in refusals:
+        if bad:
+            raise CorrnoiseError(name, why)
+    for method in ("_get_train_sampler", "get_train_dataloader"):
+        if getattr(type(trainer), method) is not getattr(PrivateTrainer, method):
+            raise CorrnoiseError(method, "is overridden: the training batches must be the planned sampler's "
+                                 "(the ones the accounting analyses)")
+

@@ -1,0 +1,341 @@
+"""PrivateTrainer (corrnoise.integrations.transformers): the Hugging Face Trainer with the private
+optimizer -- one noise row per logical batch whatever the gradient accumulation, per-example
+losses, no raw clipping or raw grad norm in the logs, epsilon logged, checkpoints that resume the
+same noise stream and sampler; GPT-2, BERT and LoRA. Tiny random-init models built from configs."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from corrnoise.errors import CorrnoiseError  # noqa: E402
+from corrnoise.integrations import PrivacyArguments, PrivateTrainer  # noqa: E402
+from corrnoise.integrations.transformers import PLAN_FILE  # noqa: E402
+
+V, L, N = 64, 8, 32
+PRIVACY = dict(mechanism="bsr:2", batching="cyclic", noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0,
+               noise_seed=0)
+#: float32 runs that differ only in how a logical batch is cut into micro-batches (or in a resume):
+#: the per-example gradients are the same up to float32 rounding of differently shaped matmuls
+#: (~1e-7 relative), summed over a few steps
+TOL = dict(rtol=1e-5, atol=1e-6)
+seeded = pytest.mark.filterwarnings("ignore:a given seed fixes")
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                  vocab_size=V, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+class _Texts(torch.utils.data.Dataset):
+    """Tokenizer-style examples of random lengths, padded with 0 on the right: LM labels are the
+    ids with -100 on padding; classification labels one of 3 classes."""
+
+    def __init__(self, task="lm", n=N):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(1, V, (n, L), generator=g)
+        self.lengths = torch.randint(2, L + 1, (n,), generator=g)
+        self.classes = torch.randint(0, 3, (n,), generator=g)
+        self.task = task
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        mask = (torch.arange(L) < self.lengths[i]).long()
+        ids = self.ids[i].masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, -100) if self.task == "lm" else self.classes[i]
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _args(tmp_path, **kw):
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                   max_steps=2, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+                   logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    options.update(kw)
+    return transformers.TrainingArguments(**options)
+
+
+def _trainer(tmp_path, model=None, task="lm", privacy=PRIVACY, **kw):
+    return PrivateTrainer(model=model or _gpt2(), args=_args(tmp_path, **kw), train_dataset=_Texts(task),
+                          privacy=privacy)
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _one_line(err, param):
+    assert err.value.param == param and "\n" not in str(err.value), str(err.value)
+
+
+@seeded
+@pytest.mark.parametrize("per_device, accumulation", [(2, 2), (1, 4)])
+def test_gradient_accumulation_gives_the_update_of_the_whole_logical_batch(tmp_path, per_device, accumulation):
+    """Poisson batches of expected size 4 as one micro-batch, or cut into 2 or 4 micro-batches
+    (some empty when the batch drew fewer than 4): the same noise row per step, the same update."""
+    privacy = dict(PRIVACY, mechanism="identity", batching="poisson", seed=3)
+    whole = _trainer(tmp_path / "whole", privacy=privacy, per_device_train_batch_size=4, max_steps=3)
+    whole.train()
+    cut = _trainer(tmp_path / "cut", privacy=privacy, per_device_train_batch_size=per_device,
+                   gradient_accumulation_steps=accumulation, max_steps=3)
+    cut.train()
+    sizes = [len(cut.private_optimizer.sampler.batch(t)) for t in range(3)]
+    if accumulation == 4:
+        assert min(sizes) < 4  # some micro-batch was empty
+    assert whole.private_optimizer.expected_batch_size == cut.private_optimizer.expected_batch_size == 4
+    assert whole.private_optimizer.steps_taken == cut.private_optimizer.steps_taken == cut.state.global_step == 3
+    for name, p in _params(cut.model).items():
+        torch.testing.assert_close(p, _params(whole.model)[name], **TOL, msg=name)
+
+
+def test_logged_grad_norm_is_the_released_update_and_epsilon_is_logged(tmp_path):
+    """SGD at a constant learning rate moves the parameters by lr x the released (clipped,
+    noised) gradient: the logged grad_norm is its norm, not the raw gradient's (which is not
+    private). TrainingArguments.max_grad_norm clips nothing. epsilon is the run's guarantee."""
+    model = _gpt2()
+    before = _params(model)
+    trainer = _trainer(tmp_path, model=model, privacy=dict(PRIVACY, mechanism="identity"), max_steps=1,
+                       gradient_accumulation_steps=2,
+                       per_device_train_batch_size=2, max_grad_norm=1e-3)
+    trainer.train()
+    step = trainer.state.log_history[0]
+    moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p - before[n])
+                                                  for n, p in _params(model).items()]))
+    assert step["grad_norm"] == pytest.approx(float(moved) / 0.05, rel=1e-4)
+
+    raw_model = _gpt2()
+    batch = torch.utils.data.default_collate([_Texts()[i] for i in trainer.private_optimizer.sampler.batch(0)])
+    raw_model(**batch).loss.backward()
+    raw = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in raw_model.parameters()])))
+    assert abs(step["grad_norm"] - raw) > 0.5 * raw
+    assert step["epsilon"] == trainer.privacy_spent().epsilon == trainer.private_optimizer.run_guarantee().epsilon
+    assert trainer.state.log_history[-1]["epsilon"] == step["epsilon"]  # the final train metrics too
+
+
+def test_causal_lm_loss_is_a_mean_of_per_example_token_means(tmp_path):
+    """Each example's loss is its own mean token loss (shifted by one), not scaled by the other
+    examples' lengths: the batch loss is the mean of the examples' losses taken alone."""
+    trainer = _trainer(tmp_path)
+    model = trainer.model.train()
+    batch = torch.utils.data.default_collate([_Texts()[i] for i in range(4)])
+    with torch.no_grad():
+        together = trainer.compute_loss(model, dict(batch))
+        alone = [trainer.compute_loss(model, {k: v[i:i + 1] for k, v in batch.items()}) for i in range(4)]
+        first = model(**{k: v[:1] for k, v in batch.items()}).loss  # HF's loss of one example alone
+    assert float(together) == pytest.approx(sum(float(a) for a in alone) / 4, rel=1e-5)
+    assert float(alone[0]) == pytest.approx(float(first), rel=1e-5)
+
+
+def test_bert_classifier_trains_with_per_example_cross_entropy(tmp_path):
+    """Training loss = the built-in (mean of per-example cross entropies); evaluation during
+    training uses the Trainer's own loss and leaves the private step alone."""
+    trainer = PrivateTrainer(model=_bert(), args=_args(tmp_path, eval_strategy="steps", eval_steps=1),
+                             train_dataset=_Texts("cls"), eval_dataset=_Texts("cls", n=8),
+                             privacy=PrivacyArguments(**PRIVACY))
+    model = trainer.model.train()
+    batch = torch.utils.data.default_collate([_Texts("cls")[i] for i in range(4)])
+    with torch.no_grad():
+        assert float(trainer.compute_loss(model, dict(batch))) == pytest.approx(float(model(**batch).loss), rel=1e-5)
+    before = _params(model)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2
+    assert sum("eval_loss" in entry for entry in trainer.state.log_history) == 2
+    assert any(not torch.equal(p, before[n]) for n, p in _params(model).items())
+    with pytest.raises(CorrnoiseError) as err:
+        trainer.train()
+    _one_line(err, "train")
+
+
+def test_lora_via_peft_updates_only_the_adapters(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_gpt2(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                         lora_dropout=0.0, task_type="CAUSAL_LM"))
+    before = _params(model)
+    trainer = _trainer(tmp_path, model=model)
+    trainer.train()
+    changed = {n for n, p in _params(model).items() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert {id(p) for p in trainer.private_optimizer.params} == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+@seeded
+def test_resumed_checkpoint_continues_the_noise_stream_and_the_sampler(tmp_path):
+    """4 steps straight vs 2 steps, a checkpoint, and a new trainer resuming it: the same final
+    parameters and guarantee. bsr:2 keeps recent noise rows; block-cyclic Poisson batches (the
+    plan's batching for it) come from a sampler seed the checkpoint carries (the resumed run
+    does not pass it); the checkpoint's plan is adopted."""
+    privacy = dict(PRIVACY, batching="auto", seed=5)
+    straight = _trainer(tmp_path / "straight", privacy=privacy, max_steps=4)
+    straight.train()
+
+    first = _trainer(tmp_path / "run", privacy=privacy, max_steps=4, save_strategy="steps", save_steps=2)
+    first.train()
+    checkpoint = os.path.join(tmp_path, "run", "checkpoint-2")
+    assert os.path.isfile(os.path.join(checkpoint, PLAN_FILE))
+    with pytest.raises(CorrnoiseError) as err:  # another noise seed would restart C^-1 Z mid-run
+        _trainer(tmp_path / "run", privacy=dict(privacy, noise_seed=1), max_steps=4).train(checkpoint)
+    _one_line(err, "noise_seed")
+    with pytest.raises(CorrnoiseError) as err:  # the checkpoint's plan continues the run
+        _trainer(tmp_path / "run", privacy=dict(privacy, mechanism="bsr:3"), max_steps=4).train(checkpoint)
+    _one_line(err, "mechanism")
+    resumed = _trainer(tmp_path / "run", privacy={k: v for k, v in privacy.items() if k != "seed"}, max_steps=4)
+    resumed.train(resume_from_checkpoint=checkpoint)
+
+    assert resumed.private_optimizer.steps_taken == 4 and resumed.state.global_step == 4
+    assert resumed.private_optimizer.sampler.seed == 5
+    for name, p in _params(resumed.model).items():
+        torch.testing.assert_close(p, _params(straight.model)[name], **TOL, msg=name)
+    assert resumed.privacy_spent().epsilon == straight.privacy_spent().epsilon
+    assert math.isfinite(resumed.privacy_spent().epsilon)
+
+
+@pytest.mark.parametrize("setting, param", [
+    (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
+    (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
+    (dict(torch_compile=True), "torch_compile"),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+    (dict(auto_find_batch_size=True), "auto_find_batch_size"),
+])
+def test_settings_that_look_at_the_data_outside_the_mechanism_are_refused(tmp_path, setting, param):
+    with pytest.raises(CorrnoiseError) as err:
+        _trainer(tmp_path, **setting)
+    _one_line(err, param)
+
+
+def test_a_custom_train_sampler_is_refused(tmp_path):
+    class Sorted(PrivateTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    with pytest.raises(CorrnoiseError) as err:
+        Sorted(model=_gpt2(), args=_args(tmp_path), train_dataset=_Texts(), privacy=PRIVACY)
+    _one_line(err, "_get_train_sampler")
+
+
+def test_a_given_plan_is_trained_as_planned(tmp_path):
+    from corrnoise.runplan import plan_run
+
+    plan = plan_run(dataset_size=N, batch_size=4, delta=1e-5, mechanism="bsr:2", batching="cyclic",
+                    noise_multiplier=1.0, steps=2)
+    trainer = PrivateTrainer(model=_gpt2(), args=_args(tmp_path, max_steps=-1), train_dataset=_Texts(), plan=plan,
+                             privacy=dict(max_grad_norm=1.0, noise_seed=0))
+    trainer.train()
+    assert trainer.plan is plan and trainer.state.global_step == trainer.private_optimizer.steps_taken == 2
+    with pytest.raises(CorrnoiseError) as err:  # a length that is not the plan's
+        PrivateTrainer(model=_gpt2(), args=_args(tmp_path, max_steps=3), train_dataset=_Texts(), plan=plan,
+                       privacy=dict(max_grad_norm=1.0)).train()
+    _one_line(err, "max_steps")
+    with pytest.raises(CorrnoiseError) as err:  # planning keywords beside a plan
+        PrivateTrainer(model=_gpt2(), args=_args(tmp_path), train_dataset=_Texts(), plan=plan,
+                       privacy=dict(max_grad_norm=1.0, epsilon=3.0)).train()
+    _one_line(err, "epsilon")
+
+
+def test_the_clip_norm_defaults_to_training_arguments_which_stay_unchanged(tmp_path):
+    args = _args(tmp_path, max_grad_norm=0.5)
+    privacy = {k: v for k, v in PRIVACY.items() if k != "max_grad_norm"}
+    trainer = PrivateTrainer(model=_gpt2(), args=args, train_dataset=_Texts(), privacy=privacy)
+    trainer.get_train_dataloader()
+    assert trainer.private_optimizer.max_grad_norm == 0.5
+    assert trainer.args.max_grad_norm == 0.0 and trainer.args.ignore_data_skip  # the trainer's copy
+    assert args.max_grad_norm == 0.5 and not args.ignore_data_skip
+
+
+def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
+    trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
+    with pytest.raises(CorrnoiseError) as err:
+        trainer.get_train_dataloader()
+    _one_line(err, "privacy")
+    assert "max_noise_memry" in str(err.value)
+
+
+@pytest.mark.parametrize("privacy, param", [(None, "privacy"), (dict(PRIVACY, steps=3), "steps"),
+                                            (dict(PRIVACY, max_physical_batch_size=2), "max_physical_batch_size")])
+def test_privacy_arguments_the_trainer_decides_are_refused(tmp_path, privacy, param):
+    with pytest.raises(CorrnoiseError) as err:
+        _trainer(tmp_path, privacy=privacy)
+    _one_line(err, param)
+
+
+def test_the_readme_trainer_example_runs(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Private fine-tuning with the Hugging Face Trainer")[1].split("\n## ")[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["trainer"].private_optimizer.steps_taken == 8
+    assert namespace["trainer"].privacy_spent().epsilon <= 8.0
+
+
+def _sft_parts(tmp_path, **config):
+    """A pre-tokenized datasets.Dataset (trl skips tokenizing it), a word-level tokenizer built by
+    hand, and an SFTConfig for 2 steps."""
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    trl = pytest.importorskip("trl")
+    texts = _Texts()
+    rows = [texts.ids[i, : int(texts.lengths[i])].tolist() for i in range(N)]
+    vocab = {f"t{i}": i for i in range(V)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1")), pad_token="t0",
+        eos_token="t0")
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=0.05,
+                   optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True,
+                   save_strategy="no", disable_tqdm=True, max_length=None, gradient_checkpointing=False)
+    options.update(config)
+    return datasets.Dataset.from_dict({"input_ids": rows}), tokenizer, trl.SFTConfig(**options)
+
+
+def test_trl_sft_trainer_trains_privately(tmp_path):
+    train, tokenizer, config = _sft_parts(tmp_path)
+    from corrnoise.integrations import PrivateSFTTrainer
+
+    model = _gpt2()
+    before = _params(model)
+    trainer = PrivateSFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer,
+                                privacy=PRIVACY)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2
+    assert trainer.state.log_history[0]["epsilon"] == trainer.privacy_spent().epsilon
+    assert all(not torch.equal(p, before[n]) for n, p in _params(model).items() if "wte" in n)
+
+
+@pytest.mark.parametrize("setting", ["packing", "padding_free"])
+def test_trl_packing_is_refused(tmp_path, setting):
+    train, tokenizer, config = _sft_parts(tmp_path, **{setting: True})
+    from corrnoise.integrations import PrivateSFTTrainer
+
+    with pytest.raises(CorrnoiseError) as err:
+        PrivateSFTTrainer(model=_gpt2(), args=config, train_dataset=train, processing_class=tokenizer,
+                          privacy=PRIVACY)
+    _one_line(err, setting)
+
+
+def test_the_integrations_package_imports_transformers_only_when_asked():
+    import subprocess
+    import sys
+
+    code = ("import sys, corrnoise, corrnoise.integrations; assert 'transformers' not in sys.modules; "
+            "from corrnoise.integrations import PrivateTrainer; assert 'transformers' in sys.modules; "
+            "assert 'trl' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])})
