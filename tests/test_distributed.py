@@ -4,6 +4,7 @@ rounding of kernels run over each rank's shard (tests/noise_bounds.py)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,38 @@ def test_two_gloo_processes_gather_single_process_noise(tmp_path):
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
     for a, b in zip(results[0]["ghat"], results[1]["ghat"]):
         assert torch.equal(a, b)  # one all-reduced sum, one gathered noise row: the same bits on every rank
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from corrnoise.errors import CorrnoiseError
+    from corrnoise.torch import make_private
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+        try:
+            make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=16),
+                         mechanism="bsr:2", batching="cyclic", noise_std=1.0, delta=1e-5, epochs=1, max_grad_norm=1.0)
+            outcome = "accepted"
+        except CorrnoiseError as exc:
+            outcome = f"{exc.param}|{exc}"
+        (Path(out_dir) / f"fsdp{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_sharded_parameters_are_refused_in_one_line(tmp_path):
+    """FSDP's fully_shard works on CPU/gloo, but the clipping engine needs each layer's full
+    weight and would have to reduce-scatter the clipped sum: refused, naming module."""
+    mp.start_processes(_fsdp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method=START)
+    for r in range(2):
+        param, message = (tmp_path / f"fsdp{r}.txt").read_text().split("|", 1)
+        assert param == "module" and "FSDP" in message and "\n" not in message
