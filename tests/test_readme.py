@@ -4,6 +4,7 @@ prelude gives them the README's own setup (2,048 examples x 20 features, an MLP,
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -45,6 +46,6 @@ def test_a_readme_python_snippet_runs_as_written(index, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(PRELUDE + block)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "CORRNOISE_CACHE": "off"})
+                          cwd=tmp_path, env={**os.environ, "CORRNOISE_CACHE": "off"})  # files it writes: tmp
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
