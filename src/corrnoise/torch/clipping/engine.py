@@ -6,7 +6,9 @@
     engine.clear()                                  # drop captured activations
     engine.detach()                                 # remove hooks
 
-How. A forward hook on every module that directly owns trainable parameters stores its
+How. A forward hook on every module that directly owns trainable parameters (or, for peft's
+LoRA Embedding, uses its ParameterDicts' parameters in its own forward:
+:func:`.layers.owned_parameters`) stores its
 (detached) inputs and puts a tensor hook on its outputs that stores the grad outputs during the
 user's ``loss.backward()``. ``clipped_sum`` then turns each call into per-parameter
 contributions (:mod:`.layers`), computes each example's squared norm per parameter by ghost
@@ -70,7 +72,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, check_int, check_real
 from .formulas import OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, use_ghost
-from .layers import call_batch_size, embedding_handler, expand_shared_indices, fallback_handler, handler_for
+from .layers import (call_batch_size, expand_shared_indices, fallback_handler, handler_for, owned_parameters,
+                     takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -145,6 +148,7 @@ class ClippingEngine:
         self._owners: dict[nn.Module, tuple[Any, list[tuple[str, int]]]] = {}
         self._paths: dict[nn.Module, str] = {}
         opaque_prefixes: list[str] = []
+        claimed: set[int] = set()  # parameters owned by a module above (peft's LoRA Embedding's dicts)
         for path, m in module.named_modules(remove_duplicate=True):
             msg = _refusal(path, m)
             if msg is not None:
@@ -157,8 +161,9 @@ class ClippingEngine:
                 names = [n for n, _ in own]
                 handler = lambda mod, a, k, g, dt, _n=names: fallback_handler(mod, a, k, g, dt, names=_n)  # noqa: E731
             else:
-                own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in self._index]
+                own = [(n, p) for n, p in owned_parameters(m) if id(p) in self._index and id(p) not in claimed]
                 handler = handler_for(m)
+            claimed.update(id(p) for n, p in own if "." in n)  # a shared parameter's direct owners all keep it
             if own:
                 self._owners[m] = (handler, [(n, self._index[id(p)]) for n, p in own])
                 self._paths[m] = path or "<root>"
@@ -171,7 +176,7 @@ class ClippingEngine:
         self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
         self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
         for m, (handler, _) in self._owners.items():
-            if handler is embedding_handler:
+            if takes_indices(handler):
                 self._handles.append(m.register_forward_pre_hook(self._shared_indices_hook, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True))
         for i, p in enumerate(self.parameters):
