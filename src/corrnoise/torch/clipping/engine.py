@@ -54,9 +54,19 @@ must be used by broadcasting against the batch (``x + pos``), as transformers do
 reduces or indexes its batch dimension (``pos[0]``) would attribute gradients to the wrong
 examples.
 
+Gradient checkpointing (``model.gradient_checkpointing_enable()``, torch.utils.checkpoint)
+runs a block's forward again during backward, so its hooks fire twice. Both forwards are
+captured like any call; a call contributes only through the grad outputs that reach its own
+output tensors, and the loss's gradient reaches exactly one of the two: the first forward's
+outputs without reentrancy (the recomputation only refills the tensors backward saved; its
+outputs are never back-propagated, their calls get no grad output and contribute nothing), the
+recomputed outputs with ``use_reentrant=True`` (the first forward ran under no_grad and was
+not captured). No activation is counted twice either way. A forward call while autograd runs a
+backward pass is taken for such a recomputation (:func:`_in_backward`).
+
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
-transposed input of equal size is not detectable). A forward pass during backward (gradient
-checkpointing) or a second batch before ``clear()`` is refused. Fallback layers must be
+transposed input of equal size is not detectable). A second batch (a forward after a backward,
+outside it) before ``clear()`` is refused. Fallback layers must be
 deterministic (no dropout inside them). Outputs of hooked layers that are views (a Linear on
 (B, T, d)) are copied once so that a later in-place op cannot detach the grad-output hook. The
 user's backward still accumulates the (unused) ``p.grad``.
@@ -229,7 +239,7 @@ class ClippingEngine:
                     for o in flat]
             output = replaced = tree_unflatten(flat, spec)
             outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        if self._backward_seen:
+        if self._backward_seen and not _in_backward():
             raise CorrnoiseError(
                 "engine", "forward pass after a backward pass without clipped_sum()/clear() (one batch per clipped sum)")
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -391,6 +401,12 @@ class ClippingEngine:
                     "module", f"parameter(s) {', '.join(check_fail)}: captured per-example gradients do not add up to "
                     "autograd's gradient (a parameter used outside its module's forward, or a non-deterministic layer)")
         return sums, norms
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now: a forward call then is the recomputation of
+    a checkpointed block (torch.utils.checkpoint), not a new batch."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _first_dim(args, kwargs) -> int | None:
