@@ -116,14 +116,17 @@ def _clipped_sum(grads, clip):
     return [sum(g[k].double() * min(1.0, clip / float(n)) for g, n in zip(grads, norms)) for k in range(len(grads[0]))]
 
 
-def _engine(model, batch, losses_of, clip, seed=None, **kw):
-    """The engine's clipped sum and norms for the batch loss mean_b L_b (the user's one backward)."""
+def _engine(model, batch, losses_of, clip, seed=None, after_backward=None, **kw):
+    """The engine's clipped sum and norms for the batch loss mean_b L_b (the user's one backward);
+    ``after_backward(engine)`` looks at the engine between backward and clipped_sum."""
     eng = ClippingEngine(model, loss_reduction="mean", max_grad_norm=clip, **kw)
     try:
         if seed is not None:
             torch.manual_seed(seed)
         losses = losses_of(model, batch)
         losses.mean().backward()
+        if after_backward is not None:
+            after_backward(eng)
         sums, norms = eng.clipped_sum(batch["input_ids"].shape[0])
         return sums, norms, losses.detach()
     finally:
@@ -269,8 +272,12 @@ def test_gradient_checkpointing_counts_each_activation_once(arch, reentrant):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()  # checkpointing is active in train mode only; dropout is 0
     calls = _count_calls(_a_block_linear(model))
-    result = _engine(model, batch, losses_of, clip)
+    held = {}
+    result = _engine(model, batch, losses_of, clip,
+                     after_backward=lambda eng: held.update({m: len(c) for m, c in eng._calls.items()}))
     assert len(calls) == 2  # forward, and the recomputation in backward
+    # one captured call per layer: the copy the gradient did not reach is not held (white box)
+    assert set(held.values()) == {1}
     _compare(grads, result, clip, RTOL)
 
 

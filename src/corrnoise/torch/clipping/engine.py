@@ -61,8 +61,9 @@ output tensors, and the loss's gradient reaches exactly one of the two: the firs
 outputs without reentrancy (the recomputation only refills the tensors backward saved; its
 outputs are never back-propagated, their calls get no grad output and contribute nothing), the
 recomputed outputs with ``use_reentrant=True`` (the first forward ran under no_grad and was
-not captured). No activation is counted twice either way. A forward call while autograd runs a
-backward pass is taken for such a recomputation (:func:`_in_backward`).
+not captured). No activation is counted twice either way, and none is held twice: the calls of
+a recomputation that no grad output reached are dropped when the backward pass ends. A forward
+call while autograd runs a backward pass is taken for such a recomputation (:func:`_in_backward`).
 
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
 transposed input of equal size is not detectable). A second batch (a forward after a backward,
@@ -183,6 +184,8 @@ class ClippingEngine:
         self._backward_seen = False
         self._computing = False
         self._first_batch: int | None = None  # batch dimension of the first hooked call of this batch
+        self._recomputed: list[tuple[nn.Module, _Call]] = []  # calls captured during the running backward
+        self._prune_task: int | None = None  # the backward pass whose end drops unused recomputed calls
         self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
         self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
         for m, (handler, _) in self._owners.items():
@@ -245,12 +248,30 @@ class ClippingEngine:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         call = _Call(_detach_tree(tuple(args)), _detach_tree(dict(kwargs)), [(t, t._version) for t in leaves], len(outs))
         self._calls[m].append(call)
+        if _in_backward():
+            self._note_recomputed(m, call)
         if self._first_batch is None:
             self._first_batch = _first_dim(args, kwargs)
         for k, o in enumerate(outs):
             if o.requires_grad:
                 o.register_hook(lambda g, call=call, k=k: self._grad_hook(call, k, g))
         return replaced
+
+    def _note_recomputed(self, m: nn.Module, call: _Call) -> None:
+        """A call captured during backward (a checkpointed block's recomputation): dropped when that
+        backward ends if no grad output reached it (non-reentrant checkpointing), so the engine does
+        not hold a second copy of the block's activations."""
+        self._recomputed.append((m, call))
+        task = torch._C._current_graph_task_id()
+        if self._prune_task != task:  # once per backward pass
+            self._prune_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._drop_unused_recomputed)
+
+    def _drop_unused_recomputed(self) -> None:
+        for m, call in self._recomputed:
+            if all(g is None for g in call.grads):
+                self._calls[m] = [c for c in self._calls[m] if c is not call]
+        self._recomputed.clear()
 
     def _grad_hook(self, call: _Call, k: int, g: torch.Tensor):
         self._backward_seen = True
@@ -265,6 +286,7 @@ class ClippingEngine:
             calls.clear()
         self._reached.clear()
         self._autograd.clear()
+        self._recomputed.clear()
         self._backward_seen = False
         self._first_batch = self._root_batch = None
 
@@ -405,8 +427,10 @@ class ClippingEngine:
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass now: a forward call then is the recomputation of
-    a checkpointed block (torch.utils.checkpoint), not a new batch."""
-    return torch._C._current_graph_task_id() != -1
+    a checkpointed block (torch.utils.checkpoint), not a new batch. (False where torch cannot say:
+    such a forward is then refused as a second batch.)"""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _first_dim(args, kwargs) -> int | None:
