@@ -38,9 +38,9 @@ V, L, B = 300, 10, 5
 LENGTHS = [10, 7, 4, 10, 6]
 
 
-def _gpt2(dtype=torch.float64, dropout=0.0):
+def _gpt2(dtype=torch.float64, dropout=0.0, layers=2):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=V, n_positions=32, resid_pdrop=dropout,
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=2, vocab_size=V, n_positions=32, resid_pdrop=dropout,
                                   embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg).to(dtype)
 
@@ -209,6 +209,18 @@ def test_lora_with_dropout_matches_autograd_on_the_same_masks(arch):
     _compare(grads, result, clip, RTOL)
 
 
+def test_a_dora_embedding_is_refused_in_one_line():
+    """DoRA rescales the adapted table by a learned norm (a LoRA variant) that the rule does not model."""
+    from corrnoise.errors import CorrnoiseError
+
+    config = peft.LoraConfig(r=4, target_modules=["word_embeddings"], use_dora=True, init_lora_weights=False)
+    model = peft.get_peft_model(_bert(), config)
+    with pytest.raises(CorrnoiseError) as err:
+        _engine(model, _cls_batch(), _cls_losses, 1.0)
+    assert err.value.param == "module" and "\n" not in str(err.value)
+    assert "word_embeddings" in str(err.value) and "DoRA" in str(err.value)
+
+
 def test_lora_engine_and_noise_cover_trainable_parameters_only():
     """Frozen base weights get no noise and no update, and the noise generator (its state included)
     is sized by the LoRA parameters alone, even with an optimizer given every parameter."""
@@ -337,8 +349,8 @@ def test_torch_compile_of_the_model_is_exact(backend):
     """torch.compile works with the engine on CPU (dynamo traces the modules' hooks or breaks the graph
     at them; the grad outputs still reach the engine): the compiled GPT-2 gives the exact clipped sum,
     step after step. backend aot_eager runs dynamo and AOTAutograd, the parts that meet the hooks;
-    inductor only generates the kernels of the traced graphs."""
-    model, batch, losses_of = _model_and_batch("gpt2")
+    inductor only generates the kernels of the traced graphs. One layer: compiling takes seconds per layer."""
+    model, batch, losses_of = _gpt2(layers=1), _lm_batch(), _lm_losses
     grads = _one_at_a_time(model, batch, losses_of)
     clip = _clip_between(_norms(grads))
     compiled = torch.compile(model, backend=backend)

@@ -33,7 +33,9 @@ class DPOptimizer(torch.optim.Optimizer):
     micro-batch since the last step, + max_grad_norm * noise_std * (C^-1 Z)[t], / expected batch
     size, into ``.grad``; then the wrapped optimizer's update. Attributes: ``original`` (the
     wrapped optimizer), ``strategy``, ``batching``, ``delta``, ``steps`` (planned),
-    ``steps_taken``, ``noise_std``, ``noise_multiplier``, ``expected_batch_size``, and ``plan``
+    ``steps_taken``, ``noise_std``, ``noise_multiplier``, ``expected_batch_size``, ``noise_variance()``
+    (of the noise in a step's released gradient; a :class:`~corrnoise.torch.NoiseAwareAdamW` wrapped
+    is told it before each update), and ``plan``
     (the :class:`~corrnoise.runplan.RunPlan` make_private trained: ``optimizer.plan.to_json(path)``
     records the run for review or to train it again).
     """
@@ -125,8 +127,8 @@ class DPOptimizer(torch.optim.Optimizer):
     def noise_variance(self, step: int | None = None) -> float:
         """Variance of each coordinate of the noise in the gradient released at ``step`` (default:
         the next one), :func:`~corrnoise.torch.noise_aware.released_noise_variance`."""
-        t = self.privatizer.step if step is None else check_int("step", step, minimum=0, maximum=self.steps - 1)
         norms = self._row_norms if self._row_norms is not None else noise_row_norms_squared(self.strategy)
+        t = check_int("step", self.privatizer.step if step is None else step, minimum=0, maximum=len(norms) - 1)
         return released_noise_variance(float(norms[t]), self.noise_std, self.max_grad_norm, self.expected_batch_size)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
