@@ -40,8 +40,8 @@ LENGTHS = [10, 7, 4, 10, 6]
 
 def _gpt2(dtype=torch.float64, dropout=0.0, layers=2):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=2, vocab_size=V, n_positions=32, resid_pdrop=dropout,
-                                  embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=2, vocab_size=V, n_positions=32,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg).to(dtype)
 
 
@@ -316,8 +316,10 @@ def test_gradient_checkpointing_with_lora_dropout(reentrant):
 #: (the grad outputs differ by the factor 1/B, not a power of 2, before each rounding), and the engine
 #: forms the weight gradients in float32 from the float32 input where autograd multiplies bf16-rounded
 #: operands; each differs by <= u relatively per operation, and a gradient passes through a handful of
-#: them (2 layers). Measured: norms within 0.8 u, sums within 2.2 u of the largest entry. Tolerances:
-#: 4 u on the norms, 8 u on the sums (of the largest entry: some parameters' true gradient is ~0).
+#: them (2 layers). Measured: norms within 0.8 u, each parameter's clipped sum within 4.8 u of its own
+#: largest entry. Tolerances: 4 u on the norms, 8 u per parameter of its own largest entry, or of 1e-4 of
+#: the whole gradient's if larger (the attention key bias: its true gradient is 0, its entries ~1e-7 of
+#: the rest are rounding noise).
 BF16_U = 2.0 ** -8
 RTOL_BF16_NORMS = 4 * BF16_U
 RTOL_BF16_SUMS = 8 * BF16_U
@@ -339,9 +341,9 @@ def test_bf16_autocast_matches_one_example_at_a_time(arch):
     ref = _clipped_sum(grads, clip)
     scale = max(float(r.abs().max()) for r in ref)
     for s, r in zip(sums, ref):
-        _assert_close(s, r, RTOL_BF16_SUMS, scale)
-    # the tolerance is far below what autocast changes: the float32 gradients differ by more
-    assert float(((_norms(_one_at_a_time(model, batch, losses_of)) - ref_norms) / ref_norms).abs().max()) > 1e-2 * BF16_U
+        _assert_close(s, r, RTOL_BF16_SUMS, max(float(r.abs().max()), 1e-4 * scale))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the layers did run in bf16
+        assert model(input_ids=batch["input_ids"]).logits.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("backend", ["aot_eager"])

@@ -45,7 +45,8 @@ from .privatizer import Privatizer, privatize_sum
 from .run import PrivateRun, make_private_run
 
 __all__ = [
-    "Agreement", "DPDataLoader", "DPOptimizer", "NoiseAwareAdamW", "PrivacyEngine", "PrivatePlan", "PrivateRun", "Privatizer", "RunPlan",
+    "Agreement", "DPDataLoader", "DPOptimizer", "NoiseAwareAdamW", "PrivacyEngine", "PrivatePlan", "PrivateRun",
+    "Privatizer", "RunPlan",
     "check_agreement", "choose_batching", "leading_strategy", "make_private", "make_private_run", "make_sampler",
     "plan_private", "plan_run", "privacy_spent", "privatize_sum", "released_noise_variance",
 ]
