@@ -39,12 +39,14 @@ from ..accounting.event import leading_strategy
 from ..runplan import Agreement, PrivatePlan, RunPlan, check_agreement, choose_batching, plan_private, plan_run, privacy_spent
 from ..sampling import make_sampler
 from .front import DPDataLoader, DPOptimizer, make_private
+from .noise_aware import NoiseAwareAdamW, released_noise_variance
 from .opacus_adapter import PrivacyEngine
 from .privatizer import Privatizer, privatize_sum
 from .run import PrivateRun, make_private_run
 
 __all__ = [
-    "Agreement", "DPDataLoader", "DPOptimizer", "PrivacyEngine", "PrivatePlan", "PrivateRun", "Privatizer", "RunPlan",
+    "Agreement", "DPDataLoader", "DPOptimizer", "NoiseAwareAdamW", "PrivacyEngine", "PrivatePlan", "PrivateRun",
+    "Privatizer", "RunPlan",
     "check_agreement", "choose_batching", "leading_strategy", "make_private", "make_private_run", "make_sampler",
-    "plan_private", "plan_run", "privacy_spent", "privatize_sum",
+    "plan_private", "plan_run", "privacy_spent", "privatize_sum", "released_noise_variance",
 ]

@@ -15,6 +15,7 @@ from ..runplan import accounted_steps, privacy_spent
 from ..sampling import SEED_MAX, BatchSampler
 from ..strategies import Strategy, mechanism_fingerprint
 from .loader import StepContext
+from .noise_aware import noise_row_norms_squared, released_noise_variance
 from .privatizer import Privatizer
 
 __all__ = ["DPOptimizer"]
@@ -32,7 +33,9 @@ class DPOptimizer(torch.optim.Optimizer):
     micro-batch since the last step, + max_grad_norm * noise_std * (C^-1 Z)[t], / expected batch
     size, into ``.grad``; then the wrapped optimizer's update. Attributes: ``original`` (the
     wrapped optimizer), ``strategy``, ``batching``, ``delta``, ``steps`` (planned),
-    ``steps_taken``, ``noise_std``, ``noise_multiplier``, ``expected_batch_size``, and ``plan``
+    ``steps_taken``, ``noise_std``, ``noise_multiplier``, ``expected_batch_size``, ``noise_variance()``
+    (of the noise in a step's released gradient; a :class:`~corrnoise.torch.NoiseAwareAdamW` wrapped
+    is told it before each update), and ``plan``
     (the :class:`~corrnoise.runplan.RunPlan` make_private trained: ``optimizer.plan.to_json(path)``
     records the run for review or to train it again).
     """
@@ -60,6 +63,8 @@ class DPOptimizer(torch.optim.Optimizer):
                                          "module; its gradient would not be privatized")
         self.privatizer = privatizer
         self.strategy = strategy
+        # an optimizer that corrects for the noise (NoiseAwareAdamW) is told each step's variance
+        self._row_norms = noise_row_norms_squared(strategy) if hasattr(optimizer, "observe_noise_variance") else None
         self.batching = batching
         self.delta = delta
         self.steps = steps
@@ -118,6 +123,13 @@ class DPOptimizer(torch.optim.Optimizer):
         """The secret noise seed: whoever knows it can remove the noise. Needed to resume from a
         checkpoint saved without it."""
         return self.privatizer.generator.seed
+
+    def noise_variance(self, step: int | None = None) -> float:
+        """Variance of each coordinate of the noise in the gradient released at ``step`` (default:
+        the next one), :func:`~corrnoise.torch.noise_aware.released_noise_variance`."""
+        norms = self._row_norms if self._row_norms is not None else noise_row_norms_squared(self.strategy)
+        t = check_int("step", self.privatizer.step if step is None else step, minimum=0, maximum=len(norms) - 1)
+        return released_noise_variance(float(norms[t]), self.noise_std, self.max_grad_norm, self.expected_batch_size)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``.grad`` and any captured forward/backward the next step would otherwise use."""
@@ -198,6 +210,8 @@ class DPOptimizer(torch.optim.Optimizer):
             return loss
         if self._nonfinite:
             self._report_nonfinite()
+        if self._row_norms is not None:
+            self.original.observe_noise_variance(self.noise_variance())
         with torch.no_grad():
             noisy = self.privatizer.privatize(self._sums)
             for p, g in zip(self.params, noisy):

@@ -7,7 +7,9 @@ Every weight gradient the engine handles without materializing it has, for examp
 (a Linear layer: u = grad output, v = input, t = position; a convolution after unfolding; an
 Embedding: u = one-hot token, v = grad output). A "factor" is the pair (u, v) stored as tensors
 of shape (B, G, T, P) and (B, G, T, Q), with G independent blocks (convolution groups; 1
-otherwise); the row side may instead be a :class:`OneHot` (token ids, shape (B, G, T)).
+otherwise); either side (not both) may instead be a :class:`OneHot` (token ids, shape (B, G, T)):
+the row side for an Embedding table (V, d), the column side for a table stored transposed
+(peft's LoRA ``lora_embedding_A``, (r, V)).
 
 * ghost norm (Li et al. 2022, "Large language models can be strong differentially private
   learners", Sec. 4): ||G_i||_F^2 = sum_{t,t'} (u_t . u_t') (v_t . v_t'), cost O(T^2 (P + Q)),
@@ -46,6 +48,10 @@ class OneHot:
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.idx.shape, self.size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.idx.device
 
 
 def _t(x) -> int:
@@ -97,16 +103,17 @@ def ghost_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     and a one-hot group meet in the cross term counted twice. Clamped at 0 against rounding
     (a NaN stays NaN).
     """
-    groups: dict[bool, list] = {}
+    groups: dict[tuple[bool, bool], list] = {}
     for u, v in factors:
-        groups.setdefault(isinstance(u, OneHot), []).append((u, v))
+        groups.setdefault((isinstance(u, OneHot), isinstance(v, OneHot)), []).append((u, v))
     stacked = [(_cat_rows([u for u, _ in fs]), _cat_rows([v for _, v in fs])) for fs in groups.values()]
     total = None
     for a in range(len(stacked)):
         for b in range(a, len(stacked)):
             (u1, v1), (u2, v2) = stacked[a], stacked[b]
-            gv = gram(v1, v2)
-            term = (gram(u1, u2).to(gv.dtype) * gv).sum(dim=(1, 2, 3))
+            gu, gv = gram(u1, u2), gram(v1, v2)
+            dt = torch.promote_types(gu.dtype, gv.dtype)  # a one-hot Gram (0/1) takes the dense side's dtype
+            term = (gu.to(dt) * gv.to(dt)).sum(dim=(1, 2, 3))
             term = term if a == b else 2 * term
             total = term if total is None else total + term
     return total.clamp(min=0.0)
@@ -116,10 +123,15 @@ def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.T
     """sum_i w_i sum_k G_i^(k), reshaped to the parameter's ``shape`` (Bu et al. 2023, book-keeping).
 
     One contraction over (example, position) per use: U^T diag(w) V; a one-hot side becomes an
-    ``index_add`` of the weighted rows of V into the table.
+    ``index_add`` of the weighted rows of the other side into the table (transposed back for a
+    one-hot column side).
     """
     out = None
     for u, v in factors:
+        if isinstance(v, OneHot):  # G_i^T = sum_t v_t u_t^T: the one-hot row rule, transposed
+            s = bookkeeping_sum([(v, u)], weights, (u.shape[1], v.size, u.shape[-1])).transpose(-1, -2)
+            out = s.reshape(shape) if out is None else out + s.reshape(shape)
+            continue
         b, g, t, q = v.shape
         if isinstance(u, OneHot) or g != 1 or u.shape[-1] >= q:
             wv = v * weights.to(v.dtype).view(b, 1, 1, 1)
@@ -144,6 +156,11 @@ def materialize(factors: list[tuple[object, torch.Tensor]], shape) -> torch.Tens
     """The per-example gradients sum_k G_i^(k), shape (B, *shape) (used when 2 T^2 >= P Q)."""
     out = None
     for u, v in factors:
+        if isinstance(v, OneHot):  # one-hot column side: the one-hot row rule, transposed
+            b, g = u.shape[:2]
+            s = materialize([(v, u)], (g, v.size, u.shape[-1])).transpose(-1, -2)
+            out = s.reshape(b, *shape) if out is None else out + s.reshape(b, *shape)
+            continue
         b, g, t, q = v.shape
         if isinstance(u, OneHot):
             offs = (torch.arange(b, device=v.device).view(b, 1, 1) * g

@@ -17,6 +17,14 @@ duck-typed transformers ``Conv1D`` rule (class named ``Conv1D`` with a 2-D ``wei
 (d_in, d_out) and y = x @ weight + bias), else the torch.func fallback for that layer alone.
 nn.LSTM / nn.GRU / nn.RNN have their own rule in :mod:`.recurrent` (registered when the package
 is imported), which hands the calls it cannot compute exactly back to :func:`fallback_handler`.
+
+peft's LoRA. ``lora.Linear`` (targets nn.Linear and transformers' Conv1D) keeps its adapters in
+``lora_A`` / ``lora_B`` nn.Linear children called through their own forward, on the input after
+``lora_dropout``: the Linear rule applies as is, and the captured input of ``lora_A`` is the
+dropped-out one the forward used. ``lora.Embedding`` keeps its adapters as bare parameters
+(``lora_embedding_A`` / ``lora_embedding_B`` ParameterDicts) that its own forward uses:
+:func:`peft_lora_embedding_handler` is its rule, and :func:`owned_parameters` gives those
+parameters to it (duck-typed, peft is not imported).
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from ...errors import CorrnoiseError
 from .formulas import OneHot
 
 __all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv",
-           "call_batch_size", "embedding_handler", "expand_shared_indices"]
+           "call_batch_size", "embedding_handler", "expand_shared_indices", "is_peft_lora_embedding",
+           "owned_parameters", "peft_lora_embedding_handler", "takes_indices"]
 
 Handler = Callable[..., dict]
 LAYER_HANDLERS: dict[type, Handler] = {}
@@ -55,13 +64,33 @@ def is_conv1d_like(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
 
 
+def is_peft_lora_embedding(module: nn.Module) -> bool:
+    """peft's LoRA Embedding: a ``base_layer`` nn.Embedding and ParameterDicts ``lora_embedding_A``
+    (r, V) and ``lora_embedding_B`` (d, r) that its forward uses directly."""
+    return (isinstance(getattr(module, "base_layer", None), nn.Embedding)
+            and isinstance(getattr(module, "lora_embedding_A", None), nn.ParameterDict)
+            and isinstance(getattr(module, "lora_embedding_B", None), nn.ParameterDict))
+
+
 def handler_for(module: nn.Module) -> Handler:
     h = LAYER_HANDLERS.get(type(module))
     if h is not None:
         return h
     if is_conv1d_like(module):
         return conv1d_like_handler
+    if is_peft_lora_embedding(module):
+        return peft_lora_embedding_handler
     return fallback_handler
+
+
+def owned_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ``module``'s own forward uses (names relative to it): its direct ones, and
+    for peft's LoRA Embedding those of its ``lora_embedding_A`` / ``lora_embedding_B`` dicts."""
+    own = list(module.named_parameters(recurse=False))
+    if is_peft_lora_embedding(module):
+        for key in ("lora_embedding_A", "lora_embedding_B"):
+            own += [(f"{key}.{n}", p) for n, p in getattr(module, key).named_parameters()]
+    return own
 
 
 def _batched(x: torch.Tensor, module: nn.Module) -> None:
@@ -173,6 +202,60 @@ def embedding_handler(module, args, kwargs, grad_outs, dtype):
     if module.padding_idx is not None:
         gg = gg * (idx != module.padding_idx).unsqueeze(-1).to(dtype)
     return {"weight": [(OneHot(idx, module.num_embeddings), gg)]}
+
+
+def peft_lora_embedding_handler(module, args, kwargs, grad_outs, dtype):
+    """peft's LoRA Embedding: y = E[x] + s * A^T[x] B^T per active adapter (s = scaling, times the
+    base layer's ``embed_scale`` if any), A (r, V), B (d, r). With dY the grad output and
+    h_t = A^T[x_t] (the rank-r rows looked up):
+
+        grad B = s * sum_t dY_t h_t^T         factor (s dY, h)
+        grad A = sum_t (s B^T dY_t) onehot(x_t)^T   factor (s dY B, onehot(x)): a one-hot column side
+
+    (no gradient to the column padding_idx, as F.embedding does). peft applies no dropout on
+    this path. Refused: a LoRA variant (DoRA), per-call ``adapter_names``, tensor-parallel
+    input/output functions, ``max_norm`` (renormalizes the table in place during forward)."""
+    if module.merged or module.disable_adapters:
+        return {}  # the forward used the base layer alone
+    if "adapter_names" in kwargs:
+        raise CorrnoiseError("module", "peft LoRA Embedding called with adapter_names (a mixed batch) is not "
+                             "supported; call it without adapter_names")
+    base = module.base_layer
+    if base.max_norm is not None:
+        raise CorrnoiseError("module", "peft LoRA Embedding over an Embedding with max_norm (renormalizes the "
+                             "table in place in forward) is not supported; set max_norm=None")
+    x = _input(args, kwargs, module)
+    if x.dim() < 2:
+        raise CorrnoiseError("module", f"Embedding indices of shape {tuple(x.shape)} are as long as the batch: "
+                             "pass indices shared by the batch as (1, L) and one index per example as (B, 1)")
+    b = x.shape[0]
+    idx = x.reshape(b, 1, -1).long()
+    g = grad_outs[0].reshape(b, 1, idx.shape[2], -1).to(dtype)
+    embed_scale = module._get_embed_scale() if hasattr(module, "_get_embed_scale") else None
+    out = {}
+    for name in module.active_adapters:
+        if name not in module.lora_embedding_A:
+            continue
+        if name in getattr(module, "lora_variant", {}) or name in getattr(module, "input_fns", {}) \
+                or name in getattr(module, "output_fns", {}):
+            raise CorrnoiseError("module", f"peft LoRA Embedding adapter '{name}' is a LoRA variant (DoRA) or "
+                                 "tensor-parallel; only vanilla LoRA is supported")
+        a = module.lora_embedding_A[name].detach().to(dtype)
+        bm = module.lora_embedding_B[name].detach().to(dtype)
+        s = float(module.scaling[name]) * (1.0 if embed_scale is None else float(embed_scale))
+        h = F.embedding(idx, a.t())  # (b, 1, T, r)
+        ga = s * torch.matmul(g, bm)  # (b, 1, T, r)
+        if base.padding_idx is not None:
+            ga = ga * (idx != base.padding_idx).unsqueeze(-1).to(dtype)
+        out[f"lora_embedding_A.{name}"] = [(ga, OneHot(idx, a.shape[1]))]
+        out[f"lora_embedding_B.{name}"] = [(s * g, h)]
+    return out
+
+
+def takes_indices(handler: Handler) -> bool:
+    """Whether the rule's layer is called with embedding indices (its indices shared by the batch are
+    expanded to it before the call: :func:`expand_shared_indices`)."""
+    return handler in (embedding_handler, peft_lora_embedding_handler)
 
 
 def expand_shared_indices(idx, batch_size: int) -> torch.Tensor | None:
