@@ -40,13 +40,23 @@ What changes against the plain Trainer, and why:
   ``store_noise_seed=True`` resumes only with the original ``noise_seed`` passed again.
   The trainer works on a copy of ``args`` with ``ignore_data_skip`` on (the private loader itself
   starts at the checkpoint's step) and ``max_grad_norm`` 0; the caller's object is unchanged.
+* **Processes.** Under ``torchrun --nproc_per_node N`` (accelerate initializes the process group
+  and wraps the model in DDP) the run is make_private's data parallel one: every rank draws the
+  same logical batch from a sampler seed shared by rank 0 and trains on its share, the clipped
+  sums are all-reduced and the one noise row is generated in shards and gathered, so every rank
+  makes the update one process would make with the same logical batch and seeds. DDP's own
+  all-reduce of the unclipped gradients is switched off for the run. ``mechanism="auto"`` (or a
+  planner family) is refused: plan once and pass ``plan=``, or name a mechanism. Each rank saves
+  its noise state beside ``optimizer.pt`` (:func:`rank_state_file`) and loads it on resume, with
+  the same number of processes.
 
 Refused, one line naming the argument, because they would look at the data outside the
 mechanism or break per-example clipping: ``group_by_length`` / a ``train_sampling_strategy``
 other than ``random``, ``neftune_noise_alpha``, ``label_smoothing_factor``,
 ``compute_loss_func``, ``model_init``, ``auto_find_batch_size``, ``torch_compile``, gradient
-checkpointing, ``fp16`` (a loss scaler), DeepSpeed / FSDP, more than one process (not yet
-supported here), an iterable ``train_dataset``, and a subclass that overrides the train sampler.
+checkpointing, ``fp16`` (a loss scaler), DeepSpeed / FSDP, torch DataParallel over several GPUs in
+one process (``n_gpu``; use one process per GPU), an iterable ``train_dataset``, and a subclass
+that overrides the train sampler.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ from ..torch import make_private
 from ..torch.dp_optimizer import DPOptimizer
 from ..torch.loader import DPDataLoader
 
-__all__ = ["PrivateTrainer", "PrivacyArguments", "PLAN_FILE"]
+__all__ = ["PrivateTrainer", "PrivacyArguments", "PLAN_FILE", "rank_state_file"]
 
 #: the plan's file in every checkpoint folder (beside ``optimizer.pt``, which holds the noise state)
 PLAN_FILE = "privacy_plan.json"
