@@ -283,6 +283,10 @@ def test_two_processes_make_the_updates_of_one_and_resume_a_checkpoint(tmp_path)
             for name, p in got[run].items():
                 torch.testing.assert_close(p, want[name], **DDP_TOL, msg=f"rank {r} {run} {name}")
                 assert torch.equal(p, ranks[0][run][name])  # every rank made the identical update
+    with pytest.raises(CorrnoiseError) as err:  # one process holds none of rank 1's noise shard
+        _trainer(tmp_path / "run", model=_gpt2().double(), privacy=DDP_PRIVACY, per_device_train_batch_size=4,
+                 gradient_accumulation_steps=2, max_steps=4).train(str(tmp_path / "run" / "checkpoint-2"))
+    _one_line(err, "resume_from_checkpoint")
 
 
 @pytest.mark.parametrize("setting, param", [

@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
@@ -393,7 +394,14 @@ class PrivateTrainer(transformers.Trainer):
         """The Trainer's loading; with several processes each rank loads its own state
         (:func:`rank_state_file`) and the scheduler, since ``optimizer.pt`` holds rank 0's shard
         of the noise stream only."""
-        if checkpoint is None or self.args.world_size <= 1:
+        if checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        saved_by = _checkpoint_world_size(checkpoint)
+        if saved_by not in (None, self.args.world_size):
+            raise CorrnoiseError("resume_from_checkpoint", f"{checkpoint!r} was saved by {saved_by} processes, each "
+                                 f"with its shard of the noise stream; resume it with {saved_by}, not "
+                                 f"{self.args.world_size}")
+        if self.args.world_size <= 1:
             return super()._load_optimizer_and_scheduler(checkpoint)
         path = rank_state_file(checkpoint, self.args.process_index, self.args.world_size)
         if not os.path.isfile(path):
@@ -413,6 +421,13 @@ def rank_state_file(folder: str, rank: int, world_size: int) -> str:
     """The file of one rank's private optimizer state in a checkpoint of a multi-process run
     (each rank's noise generator holds its own shard of the noise stream)."""
     return os.path.join(folder, f"corrnoise-rank{rank}-of-{world_size}.pt")
+
+
+def _checkpoint_world_size(folder: str) -> int | None:
+    """The number of processes that saved a checkpoint's per-rank states (None: one process)."""
+    sizes = {int(m.group(1)) for name in os.listdir(folder)
+             if (m := re.fullmatch(r"corrnoise-rank\d+-of-(\d+)\.pt", name))}
+    return max(sizes) if sizes else None
 
 
 class _NoRawGradientSync(transformers.TrainerCallback):
