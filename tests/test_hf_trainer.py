@@ -229,7 +229,9 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     out = Path(out_dir)
-    ddp = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4)
+    # 1 x 4 accumulation x 2 ranks: a rank's share of 3 (steps 2, 3) leaves it an empty micro-batch
+    # while the other rank trains on its own, so no collective may hide in forward or backward
+    ddp = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=4)
     record: dict = {}
     try:
         try:
@@ -258,7 +260,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @seeded
 def test_two_processes_make_the_updates_of_one_and_resume_a_checkpoint(tmp_path):
-    """2 gloo processes (as torchrun starts them) x 2 per device x 2 accumulation = the logical
+    """2 gloo processes (as torchrun starts them) x 1 per device x 4 accumulation = the logical
     batch of 1 process x 4 x 2: the same sampler batches, noise rows and final parameters, up to
     float64 rounding; a 2-process checkpoint resumes to the same parameters and guarantee; and
     mechanism="auto" is refused in one line asking for a plan."""
