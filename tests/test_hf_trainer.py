@@ -1,7 +1,8 @@
 """PrivateTrainer (corrnoise.integrations.transformers): the Hugging Face Trainer with the private
 optimizer -- one noise row per logical batch whatever the gradient accumulation, per-example
 losses, no raw clipping or raw grad norm in the logs, epsilon logged, checkpoints that resume the
-same noise stream and sampler; GPT-2, BERT and LoRA. Tiny random-init models built from configs."""
+same noise stream and sampler; two gloo processes (as torchrun starts them) making the updates of
+one; GPT-2, BERT and LoRA. Tiny random-init models built from configs."""
 
 from __future__ import annotations
 
