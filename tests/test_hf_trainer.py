@@ -1,7 +1,8 @@
 """PrivateTrainer (corrnoise.integrations.transformers): the Hugging Face Trainer with the private
 optimizer -- one noise row per logical batch whatever the gradient accumulation, per-example
 losses, no raw clipping or raw grad norm in the logs, epsilon logged, checkpoints that resume the
-same noise stream and sampler; GPT-2, BERT and LoRA. Tiny random-init models built from configs."""
+same noise stream and sampler; two gloo processes (as torchrun starts them) making the updates of
+one; GPT-2, BERT and LoRA. Tiny random-init models built from configs."""
 
 from __future__ import annotations
 
@@ -205,6 +206,90 @@ def test_resumed_checkpoint_continues_the_noise_stream_and_the_sampler(tmp_path)
         torch.testing.assert_close(p, _params(straight.model)[name], **TOL, msg=name)
     assert resumed.privacy_spent().epsilon == straight.privacy_spent().epsilon
     assert math.isfinite(resumed.privacy_spent().epsilon)
+
+
+#: the 2-process run: bsr:2 keeps recent noise rows (sharded across the ranks), block-cyclic
+#: Poisson batches (the plan's batching for it) with a given sampler seed, float64 parameters
+DDP_PRIVACY = dict(PRIVACY, batching="auto", seed=5)
+#: float64 runs that differ in where sums are taken: each rank sums its examples' clipped
+#: gradients and the sums are all-reduced (another order of additions), per-example gradients
+#: come from other micro-batch shapes (another blocking of the matmuls), and the noise row is
+#: generated in shards (another length of the mechanism's kernels) -- each a few ulps (2^-52
+#: ~ 2.2e-16) relative to gradients of size <= the clip norm 1, over 4 SGD steps of lr 0.05 on
+#: parameters of size <= ~1 that move by ~0.05: observed differences ~1e-17 absolute; the bound
+#: 1e-12 leaves room for those ulps propagating through the nonlinear steps, and is ~1e10 times
+#: smaller than what one missing all-reduce or a second noise row would change (~1e-2)
+DDP_TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One torchrun-like rank: accelerate initializes the gloo process group from the
+    environment and wraps the model in DDP. Trains 4 steps (checkpoint at 2), resumes the
+    checkpoint in a new trainer, and records what mechanism="auto" says."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    # 1 x 4 accumulation x 2 ranks: a rank's share of 3 (steps 2, 3) leaves it an empty micro-batch
+    # while the other rank trains on its own, so no collective may hide in forward or backward
+    ddp = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=4)
+    record: dict = {}
+    try:
+        try:
+            _trainer(out / "auto", privacy=dict(PRIVACY, mechanism="auto"), **ddp).train()
+        except CorrnoiseError as exc:
+            record["auto"] = (exc.param, str(exc))
+        straight = _trainer(out / "run", model=_gpt2().double(), privacy=DDP_PRIVACY, save_strategy="steps",
+                            save_steps=2, **ddp)
+        straight.train()
+        record["wrapped"] = type(straight.model_wrapped).__name__
+        record["straight"] = _params(straight.model)
+        record["straight_epsilon"] = straight.privacy_spent().epsilon
+        resumed = _trainer(out / "run", model=_gpt2().double(), privacy={k: v for k, v in DDP_PRIVACY.items()
+                                                                          if k != "seed"}, **ddp)
+        resumed.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
+        record["resumed"] = _params(resumed.model)
+        record["resumed_steps"] = (resumed.private_optimizer.steps_taken, resumed.state.global_step)
+        record["resumed_epsilon"] = resumed.privacy_spent().epsilon
+        torch.save(record, out / f"rank{rank}.pt")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@seeded
+def test_two_processes_make_the_updates_of_one_and_resume_a_checkpoint(tmp_path):
+    """2 gloo processes (as torchrun starts them) x 1 per device x 4 accumulation = the logical
+    batch of 1 process x 4 x 2: the same sampler batches, noise rows and final parameters, up to
+    float64 rounding; a 2-process checkpoint resumes to the same parameters and guarantee; and
+    mechanism="auto" is refused in one line asking for a plan."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    start = os.environ.get("CORRNOISE_MP_START", "spawn")
+    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method=start)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    single = _trainer(tmp_path / "single", model=_gpt2().double(), privacy=DDP_PRIVACY,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4)
+    single.train()
+    want = _params(single.model)
+    for r, got in enumerate(ranks):
+        param, message = got["auto"]
+        assert param == "mechanism" and "plan=" in message and "\n" not in message, message
+        assert got["wrapped"] == "DistributedDataParallel"
+        assert got["resumed_steps"] == (4, 4)
+        assert got["straight_epsilon"] == got["resumed_epsilon"] == single.privacy_spent().epsilon
+        for run in ("straight", "resumed"):
+            for name, p in got[run].items():
+                torch.testing.assert_close(p, want[name], **DDP_TOL, msg=f"rank {r} {run} {name}")
+                assert torch.equal(p, ranks[0][run][name])  # every rank made the identical update
+    with pytest.raises(CorrnoiseError) as err:  # one process holds none of rank 1's noise shard
+        _trainer(tmp_path / "run", model=_gpt2().double(), privacy=DDP_PRIVACY, per_device_train_batch_size=4,
+                 gradient_accumulation_steps=2, max_steps=4).train(str(tmp_path / "run" / "checkpoint-2"))
+    _one_line(err, "resume_from_checkpoint")
 
 
 @pytest.mark.parametrize("setting, param", [

@@ -40,13 +40,23 @@ What changes against the plain Trainer, and why:
   ``store_noise_seed=True`` resumes only with the original ``noise_seed`` passed again.
   The trainer works on a copy of ``args`` with ``ignore_data_skip`` on (the private loader itself
   starts at the checkpoint's step) and ``max_grad_norm`` 0; the caller's object is unchanged.
+* **Processes.** Under ``torchrun --nproc_per_node N`` (accelerate initializes the process group
+  and wraps the model in DDP) the run is make_private's data parallel one: every rank draws the
+  same logical batch from a sampler seed shared by rank 0 and trains on its share, the clipped
+  sums are all-reduced and the one noise row is generated in shards and gathered, so every rank
+  makes the update one process would make with the same logical batch and seeds. DDP's own
+  all-reduce of the unclipped gradients is switched off for the run. ``mechanism="auto"`` (or a
+  planner family) is refused: plan once and pass ``plan=``, or name a mechanism. Each rank saves
+  its noise state beside ``optimizer.pt`` (:func:`rank_state_file`) and loads it on resume, with
+  the same number of processes.
 
 Refused, one line naming the argument, because they would look at the data outside the
 mechanism or break per-example clipping: ``group_by_length`` / a ``train_sampling_strategy``
 other than ``random``, ``neftune_noise_alpha``, ``label_smoothing_factor``,
 ``compute_loss_func``, ``model_init``, ``auto_find_batch_size``, ``torch_compile``, gradient
-checkpointing, ``fp16`` (a loss scaler), DeepSpeed / FSDP, more than one process (not yet
-supported here), an iterable ``train_dataset``, and a subclass that overrides the train sampler.
+checkpointing, ``fp16`` (a loss scaler), DeepSpeed / FSDP, torch DataParallel over several GPUs in
+one process (``n_gpu``; use one process per GPU), an iterable ``train_dataset``, and a subclass
+that overrides the train sampler.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
@@ -69,7 +80,7 @@ from ..torch import make_private
 from ..torch.dp_optimizer import DPOptimizer
 from ..torch.loader import DPDataLoader
 
-__all__ = ["PrivateTrainer", "PrivacyArguments", "PLAN_FILE"]
+__all__ = ["PrivateTrainer", "PrivacyArguments", "PLAN_FILE", "rank_state_file"]
 
 #: the plan's file in every checkpoint folder (beside ``optimizer.pt``, which holds the noise state)
 PLAN_FILE = "privacy_plan.json"
@@ -172,6 +183,7 @@ class PrivateTrainer(transformers.Trainer):
         self.args.ignore_data_skip = True  # the private loader starts at the checkpoint's step itself
         self.loss_is_scaled_for_ga = True  # the loss is each micro-batch's mean, as the clip expects
         self.add_callback(_ReleasedUpdateNorm(self))
+        self.add_callback(_NoRawGradientSync(self))
 
     # --- the run --------------------------------------------------------------------------------
     @property
@@ -268,6 +280,7 @@ class PrivateTrainer(transformers.Trainer):
                 raise CorrnoiseError("max_steps", f"is {self.args.max_steps} but the plan has {plan.steps} steps; "
                                      "leave max_steps unset (-1) to train the plan")
             return {**kwargs, "plan": plan}
+        _refuse_planning_per_rank(kwargs.get("mechanism", "auto"), self.args.world_size)
         length = {"steps": self.args.max_steps} if self.args.max_steps > 0 else \
             {"epochs": float(self.args.num_train_epochs)}
         return {**kwargs, **length}
@@ -366,10 +379,75 @@ class PrivateTrainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The Trainer's optimizer and scheduler files (the private optimizer's state includes the
-        noise stream and the sampler seed), and the plan beside them."""
+        noise stream and the sampler seed), and the plan beside them. With several processes
+        every rank also saves its own state (:func:`rank_state_file`: its shard of the noise
+        stream), which is what a resumed rank loads."""
         super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.world_size > 1 and self.private_optimizer is not None:
+            os.makedirs(output_dir, exist_ok=True)
+            path = rank_state_file(output_dir, self.args.process_index, self.args.world_size)
+            torch.save(self.private_optimizer.state_dict(), path)
         if self.args.should_save and self.plan is not None:
             self.plan.to_json(os.path.join(output_dir, PLAN_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's loading; with several processes each rank loads its own state
+        (:func:`rank_state_file`) and the scheduler, since ``optimizer.pt`` holds rank 0's shard
+        of the noise stream only."""
+        if checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        saved_by = _checkpoint_world_size(checkpoint)
+        if saved_by not in (None, self.args.world_size):
+            raise CorrnoiseError("resume_from_checkpoint", f"{checkpoint!r} was saved by {saved_by} processes, each "
+                                 f"with its shard of the noise stream; resume it with {saved_by}, not "
+                                 f"{self.args.world_size}")
+        if self.args.world_size <= 1:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = rank_state_file(checkpoint, self.args.process_index, self.args.world_size)
+        if not os.path.isfile(path):
+            raise CorrnoiseError("resume_from_checkpoint", f"{checkpoint!r} holds no noise state for rank "
+                                 f"{self.args.process_index} of {self.args.world_size} (saved by another number of "
+                                 "processes?); resume with the processes that saved it")
+        from transformers.trainer import SCHEDULER_NAME
+
+        device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch restores no "cpu:0"
+        self.private_optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def rank_state_file(folder: str, rank: int, world_size: int) -> str:
+    """The file of one rank's private optimizer state in a checkpoint of a multi-process run
+    (each rank's noise generator holds its own shard of the noise stream)."""
+    return os.path.join(folder, f"corrnoise-rank{rank}-of-{world_size}.pt")
+
+
+def _checkpoint_world_size(folder: str) -> int | None:
+    """The number of processes that saved a checkpoint's per-rank states (None: one process)."""
+    sizes = {int(m.group(1)) for name in os.listdir(folder)
+             if (m := re.fullmatch(r"corrnoise-rank\d+-of-(\d+)\.pt", name))}
+    return max(sizes) if sizes else None
+
+
+class _NoRawGradientSync(transformers.TrainerCallback):
+    """At the start of training (after accelerate wrapped the model in DDP), switch DDP's
+    all-reduce of the *unclipped* gradients off for good, as make_private does for a DDP module
+    (:func:`corrnoise.torch.distributed.data_parallel`): the private step all-reduces the clipped
+    sums itself, and a rank whose micro-batch is empty runs no forward or backward, so DDP's
+    collectives would not match across ranks. DDP's buffer broadcast in forward goes with it
+    (the clipping engine refuses layers whose buffers change in training)."""
+
+    def __init__(self, trainer: PrivateTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = self.trainer.model_wrapped
+        if isinstance(wrapped, DistributedDataParallel):
+            wrapped.require_backward_grad_sync = False  # what no_sync() does, for the whole run
+            wrapped.require_forward_param_sync = False
 
 
 class _ReleasedUpdateNorm(transformers.TrainerCallback):
@@ -456,6 +534,15 @@ def _privacy_kwargs(privacy, plan) -> dict[str, Any]:
     return kwargs
 
 
+def _refuse_planning_per_rank(mechanism, world_size: int) -> None:
+    """With several processes, ``auto`` or a planner family would be planned on every rank (the
+    planner's Monte Carlo screening could choose differently): one line asking for a plan."""
+    if world_size > 1 and is_planned(mechanism):
+        raise CorrnoiseError("mechanism", f"{mechanism!r} would be planned on each of the {world_size} processes "
+                             "(they could choose differently): plan once (corrnoise.runplan.plan_run, or corrnoise "
+                             "plan --plan-out FILE) and pass PrivateTrainer(plan=...), or name a mechanism")
+
+
 def _check_saved_plan(saved: RunPlan, kwargs: dict[str, Any]) -> None:
     """On resume, the checkpoint's plan continues the run; the privacy keywords must not name
     another mechanism or batching, nor ask for a stronger guarantee (another delta, a smaller
@@ -505,8 +592,9 @@ def _refuse_trainer_settings(trainer: PrivateTrainer) -> None:
          "the loss scaler scales the captured gradients; use bf16 or full precision"),
         ("deepspeed", getattr(trainer, "is_deepspeed_enabled", False), "is not supported with private training"),
         ("fsdp", getattr(trainer, "is_fsdp_enabled", False), "is not supported with private training"),
-        ("world_size", args.world_size > 1 or getattr(args, "n_gpu", 1) > 1,
-         "more than one process or GPU is not supported by PrivateTrainer yet; train on one device"),
+        ("n_gpu", getattr(args, "n_gpu", 1) > 1,
+         "torch DataParallel over several GPUs in one process is not supported; launch one process per GPU "
+         "(torchrun --nproc_per_node N), which PrivateTrainer trains data parallel"),
     ]
     for name, bad, why in refusals:
         if bad:
