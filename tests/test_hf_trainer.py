@@ -107,6 +107,22 @@ def test_gradient_accumulation_gives_the_update_of_the_whole_logical_batch(tmp_p
         torch.testing.assert_close(p, _params(whole.model)[name], **TOL, msg=name)
 
 
+@seeded
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_update_without_it(tmp_path, reentrant):
+    """The Trainer's gradient_checkpointing recomputes each block's forward during backward; the
+    clipping engine counts each layer once (its recomputed call), so the run is the same run."""
+    privacy = dict(PRIVACY, seed=3)
+    plain = _trainer(tmp_path / "plain", privacy=privacy, max_steps=2)
+    plain.train()
+    ckpt = _trainer(tmp_path / "ckpt", privacy=privacy, max_steps=2, gradient_checkpointing=True,
+                    gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ckpt.train()
+    assert ckpt.model.is_gradient_checkpointing
+    for name, p in _params(ckpt.model).items():
+        torch.testing.assert_close(p, _params(plain.model)[name], **TOL, msg=name)
+
+
 def test_logged_grad_norm_is_the_released_update_and_epsilon_is_logged(tmp_path):
     """SGD at a constant learning rate moves the parameters by lr x the released (clipped,
     noised) gradient: the logged grad_norm is its norm, not the raw gradient's (which is not
