@@ -517,7 +517,7 @@ def audit_training_run(dataset: str = "mnist1d", *, mechanism: str = "identity",
                        epochs: float | None = None, batch_size: int | None = None, lr: float | None = None,
                        confidence: float = 0.95, seed: int = 0, black_box_score: str = "loss",
                        baseline: bool = False, patch=None, threads: int | None = None,
-                       audit_delta: float | None = None) -> dict[str, Any]:
+                       audit_delta: float | None = None, gdp: bool = True) -> dict[str, Any]:
     """One-run audit (Steinke, Nasr & Jagielski 2023) of a real training run: the dataset's
     default model and hyperparameters (:data:`corrnoise.datasets.DATASETS`, as ``corrnoise train``
     builds them; ``epochs`` / ``batch_size`` / ``lr`` / ``examples`` override), the run planned by
@@ -533,7 +533,8 @@ def audit_training_run(dataset: str = "mnist1d", *, mechanism: str = "identity",
     ``lower_bound``), compared with the run's guarantee, both at ``audit_delta`` (default: the
     run's ``delta``: 1e-5, or the plan's). ``baseline``: also train the
     same run (same seeds, data, model) without canaries and report both loop times.
-    ``patch(optimizer)``: a test fixture's hook on the noise path.
+    ``patch(optimizer)``: a test fixture's hook on the noise path. ``gdp``: also the GDP
+    refinement (``extras["gdp_lower"]``: a lower bound on mu, :func:`corrnoise.audit.one_run_mu_lower`).
 
     Returns {"black_box": AuditResult, "white_box": AuditResult (those asked for), "run": facts}.
     """
@@ -619,14 +620,14 @@ def audit_training_run(dataset: str = "mnist1d", *, mechanism: str = "identity",
                                        "noise_std", "examples", "dataset")}
         if m_b:
             scores = black_box_scores(model, _with_dead(canary_x, slots), canary_y, black_box_score)
-            res = one_run_audit(scores, layout.black_coins, delta=delta, confidence=confidence,
+            res = one_run_audit(scores, layout.black_coins, delta=delta, confidence=confidence, gdp=gdp,
                                 method=f"one-run black-box (input canaries, {black_box_score} score, "
                                        f"{opt.batching.spec.split(':')[0]})")
             out["black_box"] = res.with_extras(**about, ratio=res.epsilon_lower / about["epsilon_guarantee"])
         if m_w:
             schedules = _schedules(opt, layout.white_indices)
             scores = white_box_scores(opt.strategy, released, schedules)
-            res = one_run_audit(scores, layout.white_coins, delta=delta, confidence=confidence,
+            res = one_run_audit(scores, layout.white_coins, delta=delta, confidence=confidence, gdp=gdp,
                                 method=f"one-run white-box (gradient canaries in dead inputs, whitened score, "
                                        f"{opt.batching.spec.split(':')[0]})")
             out["white_box"] = res.with_extras(**about, ratio=res.epsilon_lower / about["epsilon_guarantee"])
