@@ -431,7 +431,7 @@ def _bb(**kw):
 def test_the_black_box_one_run_audit_flags_a_run_without_noise():
     """The noise patched out behind the accountant (claimed epsilon 0.5): 300 random-input,
     random-label canaries among 600 digits, 40 epochs: the included ones are memorized, their
-    losses separate and the 95% one-run bound exceeds the claim (measured 1.47 at epsilon 1)."""
+    losses separate and the 95% one-run bound exceeds the claim (measured 1.47)."""
     res = _bb(patch=_no_noise)["black_box"]
     assert res.kind == "lower_bound" and res.canaries == 300
     assert res.epsilon_lower > res.extras["epsilon_guarantee"], res.to_dict()
