@@ -160,7 +160,8 @@ def one_run_guesses(scores, k_plus: int, k_minus: int) -> np.ndarray:
 
 
 def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95, k_plus=None, k_minus=None,
-                  runs: int = 1, method: str = "one-run (Steinke-Nasr-Jagielski 2023)", gdp: bool = False) -> AuditResult:
+                  runs: int = 1, method: str = "one-run (Steinke-Nasr-Jagielski 2023)",
+                  gdp: bool = False) -> AuditResult:
     """The one-run lower bound from canary scores and their coins (``included``: bool per canary,
     drawn by independent fair coins *before* the run).
 

@@ -531,118 +531,140 @@ def audit_training_run(dataset: str = "mnist1d", *, mechanism: str = "identity",
     training examples (:class:`CanaryLayout`) and are scheduled by the run's own sampler. Each
     kind gets its own :func:`corrnoise.audit.one_run_audit` at ``confidence`` (kind
     ``lower_bound``), compared with the run's guarantee, both at ``audit_delta`` (default: the
-    run's ``delta``: 1e-5, or the plan's). ``baseline``: also train the
-    same run (same seeds, data, model) without canaries and report both loop times.
-    ``patch(optimizer)``: a test fixture's hook on the noise path. ``gdp``: also the GDP
-    refinement (``extras["gdp_lower"]``: a lower bound on mu, :func:`corrnoise.audit.one_run_mu_lower`).
+    run's ``delta``: 1e-5, or the plan's). ``baseline``: also train the same run (same seeds,
+    data, model) without canaries and report both loop times. ``patch(optimizer)``: a test
+    fixture's hook on the noise path. ``gdp``: also the GDP refinement (``extras["gdp_lower"]``:
+    a lower bound on mu, :func:`corrnoise.audit.one_run_mu_lower`).
 
     Returns {"black_box": AuditResult, "white_box": AuditResult (those asked for), "run": facts}.
     """
-    from ..datasets import DATASETS
     from ..models import model_for
-    from ..runplan import RunPlan, plan_run
 
     if not (black_box or white_box):
         raise CorrnoiseError("canaries", "ask for black-box or white-box canaries (or both)")
     m = check_int("canaries", canaries, minimum=2)
-    if dataset not in DATASETS:
-        raise CorrnoiseError("dataset", f"must be one of {', '.join(DATASETS)}, got {dataset!r}")
     data, hp, x, y = _run_settings(dataset, epochs, batch_size, lr, examples)
     n, classes = len(y), data.num_classes
     m_b, m_w = (m if black_box else 0), (m if white_box else 0)
     if m_b + m_w > n // 2:
         raise CorrnoiseError("canaries", f"{m_b + m_w} canaries would replace more than half of the {n} examples")
-    if plan is not None:
-        if not isinstance(plan, RunPlan):
-            raise CorrnoiseError("plan", f"must be a RunPlan (RunPlan.from_json), got {type(plan).__name__}")
-        plan.check_fits(dataset_size=n)
-        run, delta = plan, plan.delta
-    else:
-        delta = 1e-5 if delta is None else delta
-        run = plan_run(dataset_size=n, batch_size=check_int("batch_size", hp["batch_size"], minimum=1, maximum=n),
-                       mechanism=mechanism, pipeline=batching, epsilon=epsilon, delta=delta, epochs=hp["epochs"],
-                       progress=False)
+    run, delta = _audited_plan(plan, n, hp, mechanism, batching, epsilon, delta)
     rng = np.random.default_rng(check_int("seed", seed, minimum=0))
     layout = CanaryLayout(n, m_b, m_w, rng.random(m_b) < 0.5, rng.random(m_w) < 0.5)
     canary_x, canary_y = input_canaries(m_b, x.shape[1:], classes, rng)
     slots = max(1, -(-m_w // classes))
-    noise_seed, sampler_seed, init_seed = (int(rng.integers(2 ** 62)) for _ in range(3))
+    seeds = tuple(int(rng.integers(2 ** 62)) for _ in range(3))  # noise, sampler, model initialization
     zeta = float(hp["clip_norm"])
-
-    def private(model, dataset_):
-        opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp.get("momentum", 0.0))
-        loader = torch.utils.data.DataLoader(dataset_, batch_size=run.batch_size)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # fixed sampler seed: the audit's reproducibility
-            return make_private(model, opt, loader, plan=run, max_grad_norm=zeta, seed=sampler_seed,
-                                noise_seed=noise_seed)
-
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(check_int("threads", threads, minimum=1))
     try:
-        torch.manual_seed(init_seed)
+        torch.manual_seed(seeds[2])
         model = DeadInputModel(model_for(dataset), int(np.prod(x.shape[1:])), slots, classes)
-        model, opt, loader = private(model, audit_dataset(x, y, layout, canary_x, canary_y, slots))
-        if opt.params[0] is not model.head.weight:
-            raise RuntimeError("the dead-input head is not the optimizer's first parameter")
-        coords = [(i % classes, i // classes) for i in range(m_w)]
-        rows, cols = (list(c) for c in zip(*coords)) if m_w else ([], [])
-        directions = {}
-        for i, index in enumerate(layout.white_indices):
-            if layout.white_coins[i]:
-                u = torch.zeros_like(model.head.weight)
-                u[coords[i]] = zeta
-                directions[int(index)] = u
-        inject_canaries(opt, directions)
+        model, opt, loader = _private(model, audit_dataset(x, y, layout, canary_x, canary_y, slots), run, hp, seeds)
+        released, observe = _white_box_canaries(model, opt, layout, classes, zeta)
         if patch is not None:
             patch(opt)
-        released = np.zeros((m_w, opt.steps))
-
-        def observe(t):
-            if m_w:
-                g = model.head.weight.grad.detach() * opt.expected_batch_size
-                released[:, t] = g[rows, cols].double().numpy() / zeta
-
         seconds = _train(model, opt, loader, True, observe)
-        delta = delta if audit_delta is None else check_real("audit_delta", audit_delta, low=0.0, high=1.0,
-                                                             low_open=True, high_open=True)
-        guarantee = opt.run_guarantee(delta)
-        facts = {"dataset": dataset, "examples": n, "mechanism": run.label, "strategy": opt.strategy.label,
-                 "batching": opt.batching.spec, "steps": int(opt.steps), "batch_size": run.batch_size,
-                 "epochs": round(opt.steps / run.steps_per_epoch, 6), "lr": hp["lr"], "clip_norm": zeta, "noise_std": float(opt.noise_std),
-                 "epsilon_guarantee": float(guarantee.epsilon), "guarantee_kind": guarantee.kind,
-                 "guarantee_method": guarantee.method, "delta": float(delta), "seconds_with_canaries": round(seconds, 2),
-                 "test_accuracy_with_canaries": _accuracy(model, _with_dead(data.x_test, slots), data.y_test),
-                 "canaries_per_kind": m, "torch_threads": torch.get_num_threads()}
-        out: dict[str, Any] = {}
+        if audit_delta is not None:
+            delta = check_real("audit_delta", audit_delta, low=0.0, high=1.0, low_open=True, high_open=True)
+        facts = _run_facts(dataset, run, opt, hp, delta, seconds, m)
+        facts["test_accuracy_with_canaries"] = _accuracy(model, _with_dead(data.x_test, slots), data.y_test)
         about = {k: facts[k] for k in ("epsilon_guarantee", "guarantee_kind", "mechanism", "batching", "steps",
                                        "noise_std", "examples", "dataset")}
+        kind = opt.batching.spec.split(":")[0]
+        out: dict[str, Any] = {}
         if m_b:
             scores = black_box_scores(model, _with_dead(canary_x, slots), canary_y, black_box_score)
             res = one_run_audit(scores, layout.black_coins, delta=delta, confidence=confidence, gdp=gdp,
-                                method=f"one-run black-box (input canaries, {black_box_score} score, "
-                                       f"{opt.batching.spec.split(':')[0]})")
+                                method=f"one-run black-box (input canaries, {black_box_score} score, {kind})")
             out["black_box"] = res.with_extras(**about, ratio=res.epsilon_lower / about["epsilon_guarantee"])
         if m_w:
-            schedules = _schedules(opt, layout.white_indices)
-            scores = white_box_scores(opt.strategy, released, schedules)
+            scores = white_box_scores(opt.strategy, released, _schedules(opt, layout.white_indices))
             res = one_run_audit(scores, layout.white_coins, delta=delta, confidence=confidence, gdp=gdp,
-                                method=f"one-run white-box (gradient canaries in dead inputs, whitened score, "
-                                       f"{opt.batching.spec.split(':')[0]})")
+                                method=f"one-run white-box (gradient canaries in dead inputs, whitened score, {kind})")
             out["white_box"] = res.with_extras(**about, ratio=res.epsilon_lower / about["epsilon_guarantee"])
         if baseline:
-            torch.manual_seed(init_seed)
-            plain, popt, ploader = private(model_for(dataset), torch.utils.data.TensorDataset(
-                torch.from_numpy(x.reshape(n, -1) if x.ndim > 2 else x), torch.from_numpy(y)))
-            base_seconds = _train(plain, popt, ploader, False)
-            facts["seconds_without_canaries"] = round(base_seconds, 2)
-            facts["time_overhead"] = round(seconds / base_seconds, 3)
-            facts["test_accuracy_without_canaries"] = _accuracy(plain, data.x_test, data.y_test)
+            facts.update(_baseline(dataset, data, x, y, run, hp, seeds, seconds))
     finally:
         torch.set_num_threads(previous)
     out["run"] = facts
     return out
+
+
+def _audited_plan(plan, n: int, hp: dict, mechanism, batching, epsilon, delta):
+    """(the RunPlan of the audited run, its delta): ``plan`` checked against the data's size, or
+    planned as ``corrnoise train`` plans it (:func:`corrnoise.runplan.plan_run`, the pipeline)."""
+    from ..runplan import RunPlan, plan_run
+
+    if plan is not None:
+        if not isinstance(plan, RunPlan):
+            raise CorrnoiseError("plan", f"must be a RunPlan (RunPlan.from_json), got {type(plan).__name__}")
+        plan.check_fits(dataset_size=n)
+        return plan, plan.delta
+    delta = 1e-5 if delta is None else delta
+    return plan_run(dataset_size=n, batch_size=check_int("batch_size", hp["batch_size"], minimum=1, maximum=n),
+                    mechanism=mechanism, pipeline=batching, epsilon=epsilon, delta=delta, epochs=hp["epochs"],
+                    progress=False), delta
+
+
+def _private(model, dataset, run, hp: dict, seeds: tuple[int, int, int]):
+    """make_private(plan=run) with the dataset's optimizer settings and the audit's fixed seeds."""
+    opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp.get("momentum", 0.0))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=run.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fixed sampler seed: the audit's reproducibility
+        return make_private(model, opt, loader, plan=run, max_grad_norm=float(hp["clip_norm"]), seed=seeds[1],
+                            noise_seed=seeds[0])
+
+
+def _white_box_canaries(model: DeadInputModel, opt, layout: CanaryLayout, classes: int, zeta: float):
+    """Inject the included white-box canaries (coordinate (i mod classes, i div classes) of the
+    head, norm ``zeta``) and return (the released-update array to fill, the per-step observer)."""
+    if opt.params[0] is not model.head.weight:
+        raise RuntimeError("the dead-input head is not the optimizer's first parameter")
+    m_w = layout.white_box
+    rows = [i % classes for i in range(m_w)]
+    cols = [i // classes for i in range(m_w)]
+    directions = {}
+    for i, index in enumerate(layout.white_indices):
+        if layout.white_coins[i]:
+            u = torch.zeros_like(model.head.weight)
+            u[rows[i], cols[i]] = zeta
+            directions[int(index)] = u
+    inject_canaries(opt, directions)
+    released = np.zeros((m_w, opt.steps))
+
+    def observe(t: int) -> None:
+        if m_w:  # what the optimizer released at step t, in units of zeta
+            g = model.head.weight.grad.detach() * opt.expected_batch_size
+            released[:, t] = g[rows, cols].double().numpy() / zeta
+
+    return released, observe
+
+
+def _run_facts(dataset, run, opt, hp: dict, delta: float, seconds: float, m: int) -> dict[str, Any]:
+    guarantee = opt.run_guarantee(delta)
+    return {"dataset": dataset, "examples": run.dataset_size, "mechanism": run.label, "strategy": opt.strategy.label,
+            "batching": opt.batching.spec, "steps": int(opt.steps), "batch_size": run.batch_size,
+            "epochs": round(opt.steps / run.steps_per_epoch, 6), "lr": hp["lr"], "clip_norm": float(hp["clip_norm"]),
+            "noise_std": float(opt.noise_std), "epsilon_guarantee": float(guarantee.epsilon),
+            "guarantee_kind": guarantee.kind, "guarantee_method": guarantee.method, "delta": float(delta),
+            "seconds_with_canaries": round(seconds, 2), "canaries_per_kind": m,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _baseline(dataset, data, x, y, run, hp, seeds, seconds: float) -> dict[str, Any]:
+    """The same run without canaries (same seeds, the real data, the plain model): its loop time,
+    the overhead ratio and its test accuracy."""
+    from ..models import model_for
+
+    torch.manual_seed(seeds[2])
+    plain, opt, loader = _private(model_for(dataset), torch.utils.data.TensorDataset(
+        torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)), run, hp, seeds)
+    base = _train(plain, opt, loader, False)
+    return {"seconds_without_canaries": round(base, 2), "time_overhead": round(seconds / base, 3),
+            "test_accuracy_without_canaries": _accuracy(plain, data.x_test, data.y_test)}
 
 
 def _with_dead(x: np.ndarray, slots: int) -> np.ndarray:
