@@ -9,7 +9,8 @@ that the run (its noise, its accounting) is broken.
   canary, a threshold test on sample-split runs, Clopper-Pearson bounds on FPR/FNR ->
   eps lower bound (:mod:`.many_run`);
 * :func:`one_run_audit`: m fair-coin canaries in one run (Steinke, Nasr & Jagielski 2023,
-  :mod:`.one_run`);
+  :mod:`.one_run`); with ``gdp=True`` also a lower bound on the run's GDP parameter
+  (:func:`one_run_mu_lower`);
 * :mod:`.stats`: Clopper-Pearson, the hypothesis-testing bound, AUC, TPR at low FPR, GDP fit.
 
 Canaries on the real training path (PyTorch) are in :mod:`corrnoise.torch.audit`.

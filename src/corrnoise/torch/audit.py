@@ -26,6 +26,14 @@ canary was in batch t, z i.i.d. N(0, 1). Scores:
 * ``lda`` (many-run only): a linear discriminant of y learned on the selection runs
   (:func:`corrnoise.audit.many_run_audit_features`): no knowledge of C needed, and it finds
   correlations a broken noise left (a reused noise row).
+
+:func:`audit_training_run` audits a *real* run instead (the dataset's default model and
+hyperparameters, one run, Steinke-Nasr-Jagielski 2023): black-box canaries are input examples
+(random inputs, random labels) scored by their loss under the final model; white-box canaries are
+dead input features of :class:`DeadInputModel` (the construction above, for any model). Canaries
+replace the last training examples and a canary left out keeps its index with loss weight 0, so
+in and out differ in one example's gradient (zero-out adjacency) and every canary is scheduled
+by the run's own sampler.
 """
 
 from __future__ import annotations
