@@ -376,9 +376,10 @@ def _about(setup: AuditSetup, guarantee, nu: float, elapsed: float) -> dict[str,
 class DeadInputModel(torch.nn.Module):
     """The audited model ``base`` on the first ``features`` inputs, plus ``slots`` dead input
     features feeding a bias-free linear layer ``head`` (slots -> classes) whose output joins the
-    logits: the generalization of the linear audit model's dead weight columns to any model (for
-    an MLP, the extra input columns of its first Linear layer, kept apart so the base model is
-    unchanged). Real examples and input canaries are 0 there, so no example's gradient reaches
+    logits: the generalization of the linear audit model's dead weight columns to any model. (For
+    an MLP, extra input columns of its first Linear layer would do the same; a layer of their own
+    also fits models whose first layer is no Linear, like the MNIST-1D CNN, and leaves the base
+    model unchanged.) Real examples and input canaries are 0 there, so no example's gradient reaches
     ``head.weight``: its coordinates are the white-box canaries'. ``head`` is registered first, so
     ``head.weight`` is the optimizer's first parameter (the one :func:`inject_canaries` writes)."""
 
@@ -420,8 +421,8 @@ def input_canaries(m: int, shape: tuple[int, ...], classes: int, rng: np.random.
                    scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """m black-box canary examples: inputs drawn i.i.d. N(0, scale^2) per feature (out of the
     data's distribution) and labels drawn uniformly at random -- examples the model can only fit
-    by memorizing each one (the mislabeled/out-of-distribution canaries of Steinke, Nasr &
-    Jagielski 2023, Sec. 6)."""
+    by memorizing each one (out-of-distribution inputs with random labels, the kind of input
+    canary Steinke, Nasr & Jagielski 2023 use for their black-box audits)."""
     x = (scale * rng.standard_normal((m, *shape))).astype(np.float32)
     return x, rng.integers(0, classes, size=m).astype(np.int64)
 
