@@ -123,6 +123,37 @@ def test_one_run_gaussian_simulation_sound_and_positive():
             assert min(lows) > 1.0
 
 
+def test_the_gdp_p_value_is_the_minimum_of_the_theorem_over_the_gaussian_profile():
+    from corrnoise.accounting.gaussian import gaussian_delta
+    from corrnoise.audit import one_run_gdp_p_value
+
+    m, r, v, mu = 300, 80, 70, 1.5
+    grid = np.array([0.5, 1.0, 2.0, 3.0, 5.0])
+    want = min(one_run_p_value(m, r, v, e, gaussian_delta(e, mu)) for e in grid)
+    assert one_run_gdp_p_value(m, r, v, mu, grid) == pytest.approx(want, rel=1e-9)
+    ps = [one_run_gdp_p_value(m, r, v, x) for x in (0.5, 1.0, 2.0, 4.0)]
+    assert ps == sorted(ps)  # nondecreasing in mu: the bisection of one_run_mu_lower relies on it
+
+
+def test_the_one_run_gdp_lower_bound_covers_a_gaussian_mechanism():
+    """Canaries of an exactly mu-GDP mechanism (a Gaussian score per canary, thresholded at mu/2:
+    each guess right with probability Phi(mu/2), independently): the 95% lower bound on mu stays
+    below mu in all 10 trials (the bound is loose here: ~0.25 mu, measured) and is positive; in
+    one_run_audit it is labelled a lower bound on mu and its eps an estimate."""
+    from scipy.stats import norm
+
+    from corrnoise.audit import one_run_mu_lower
+
+    rng, mu, m = np.random.default_rng(2), 2.0, 300
+    lows = [one_run_mu_lower(m, m, int(v)) for v in rng.binomial(m, norm.cdf(mu / 2), 10)]
+    assert all(0.2 * mu < x <= mu for x in lows), lows
+    inc = rng.random(200) < 0.5
+    res = one_run_audit(rng.normal(size=200) + 4 * inc, inc, delta=1e-5, gdp=True, k_plus=[40])
+    g = res.extras["gdp_lower"]
+    assert g["kind"] == "lower_bound" and 0 < g["mu_lower"] <= 4.0
+    assert g["epsilon_if_gaussian"]["kind"] == "estimate"
+
+
 def test_results_say_what_they_are_and_bad_input_is_one_line():
     with pytest.raises(CorrnoiseError):
         AuditResult(kind="lower_bound", method="x", delta=1e-5, confidence=0.95, canaries=1, runs=2, auc=None,
@@ -311,3 +342,135 @@ def test_the_white_box_many_run_audit_reaches_half_the_guarantee_at_epsilon_2(me
     res = audit_many_runs(_many(mechanism), 1600, score="whitened", select_fraction=0.3)
     ratio = res.epsilon_lower / res.extras["epsilon_guarantee"]
     assert 0.5 <= ratio <= 1.0, res.to_dict()
+
+
+# --- one-run audit of a real run: black-box input canaries, white-box dead-input canaries --------
+from corrnoise.torch.audit import (CanaryLayout, DeadInputModel, audit_dataset, audit_training_run,  # noqa: E402
+                                   input_canaries)
+
+
+def _digits_layout(n=200, m_b=20, m_w=10, seed=0):
+    from corrnoise.datasets import digits
+
+    x, y, _, _ = digits()
+    rng = np.random.default_rng(seed)
+    layout = CanaryLayout(n, m_b, m_w, rng.random(m_b) < 0.5, rng.random(m_w) < 0.5)
+    cx, cy = input_canaries(m_b, (64,), 10, rng)
+    return x[:n], y[:n], layout, cx, cy
+
+
+def _private_digits(data, batching, *, noise_std=1.0, seed=3):
+    from corrnoise.models import mlp
+    from corrnoise.torch import make_private
+
+    torch.manual_seed(0)
+    model = DeadInputModel(mlp(64, 8, 10), 64, 1, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(data, batch_size=20)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return make_private(model, opt, loader, mechanism="identity", batching=batching, noise_std=noise_std,
+                            delta=1e-5, epochs=2, max_grad_norm=1.0, seed=seed, noise_seed=seed)
+
+
+@pytest.mark.parametrize("batching", ["poisson", "cyclic", "balls-in-bins"])
+def test_black_box_canaries_are_scheduled_by_the_sampler_and_included_per_their_coins(batching):
+    """Input canaries are ordinary dataset indices: every batch the loader yields is the one the
+    run's sampler drew (canaries included), and a canary's loss weight is its coin (white-box
+    items: 0)."""
+    x, y, layout, cx, cy = _digits_layout()
+    data = audit_dataset(x, y, layout, cx, cy, slots=1)
+    w = data.tensors[2].numpy()
+    assert np.array_equal(w[layout.black_indices], layout.black_coins.astype(np.float32))
+    assert not w[layout.white_indices].any() and w[: layout.black_indices[0]].all()
+    np.testing.assert_array_equal(data.tensors[0].numpy()[layout.black_indices, :64], cx)
+    model, opt, loader = _private_digits(data, batching)
+    seen = set()
+    for t, (xb, yb, wb, idx) in enumerate(loader):
+        n = layout.n  # balls-in-bins pads fixed-size batches with index n + j = item j (masked out)
+        assert sorted(idx.tolist()) == sorted(i - n if i >= n else i for i in opt.sampler.batch(t))
+        seen |= set(idx.numpy().tolist())
+        opt.zero_grad()
+        (model(xb).sum() * 0).backward()
+        opt.step()
+        if opt.steps_taken >= opt.steps:
+            break
+    assert seen & set(layout.black_indices.tolist())  # the canaries were drawn like any index
+
+
+def test_a_canary_left_out_contributes_nothing():
+    """Zero-out adjacency: with the noise patched out, changing the input of a canary whose coin
+    is 0 leaves the trained model unchanged; changing an included one does not."""
+    from corrnoise.torch.audit import _train
+
+    x, y, layout, cx, cy = _digits_layout()
+    out_k = int(np.flatnonzero(~layout.black_coins)[0])
+    in_k = int(np.flatnonzero(layout.black_coins)[0])
+
+    def final(cx_):
+        model, opt, loader = _private_digits(audit_dataset(x, y, layout, cx_, cy, slots=1), "poisson")
+        _no_noise(opt)
+        _train(model, opt, loader, True)
+        return torch.cat([p.detach().flatten() for p in model.base.parameters()])
+
+    ref = final(cx)
+    for k, same in ((out_k, True), (in_k, False)):
+        other = cx.copy()
+        other[k] += 3.0
+        assert torch.equal(final(other), ref) == same
+
+
+def _bb(**kw):
+    args = dict(mechanism="identity", batching="poisson", epsilon=0.5, canaries=300, epochs=40, examples=600,
+                white_box=False, threads=1)
+    return audit_training_run("digits", **{**args, **kw})
+
+
+def test_the_black_box_one_run_audit_flags_a_run_without_noise():
+    """The noise patched out behind the accountant (claimed epsilon 0.5): 300 random-input,
+    random-label canaries among 600 digits, 40 epochs: the included ones are memorized, their
+    losses separate and the 95% one-run bound exceeds the claim (measured 1.47)."""
+    res = _bb(patch=_no_noise)["black_box"]
+    assert res.kind == "lower_bound" and res.canaries == 300
+    assert res.epsilon_lower > res.extras["epsilon_guarantee"], res.to_dict()
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 4.0])
+def test_small_black_box_one_run_audits_are_sound(epsilon):
+    """The same setup with its noise: the bound stays below the guarantee (and the white-box
+    canaries of the same run too)."""
+    out = _bb(epsilon=epsilon, white_box=True, canaries=100, epochs=10)
+    for kind in ("black_box", "white_box"):
+        res = out[kind]
+        assert res.kind == "lower_bound" and res.epsilon_lower <= res.extras["epsilon_guarantee"]
+        assert res.extras["epsilon_guarantee"] <= epsilon * (1 + 1e-9)
+
+
+def test_cli_one_run_black_box_and_plan(capsys, tmp_path):
+    from corrnoise.cli import main
+    from corrnoise.runplan import plan_run
+
+    argv = ["audit", "--canaries", "60", "--black-box", "--epsilon", "8", "--examples", "400", "--epochs", "2",
+            "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr()[0])
+    for key in ("epsilon_lower", "epsilon_guarantee", "confidence", "method", "canaries", "runs", "auc"):
+        assert key in d
+    assert d["kind"] == "lower_bound" and d["canaries"] == 60 and d["runs"] == 1 and "black-box" in d["method"]
+    assert d["epsilon_lower"] <= d["epsilon_guarantee"] and d["run"]["examples"] == 400
+    plan = plan_run(dataset_size=400, batch_size=40, mechanism="bsr:4", pipeline="cyclic", epsilon=4.0, delta=1e-5,
+                    epochs=2)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    assert main(["audit", "--plan", str(path), "--canaries", "40", "--white-box", "--examples", "400", "--json"]) == 0
+    d = json.loads(capsys.readouterr()[0])
+    assert d["mechanism"] == plan.label and d["run"]["steps"] == plan.steps
+    assert d["epsilon_guarantee"] == pytest.approx(plan.guarantee.epsilon, rel=1e-6)
+    for argv, param in ((["audit", "--epsilon", "2", "--black-box"], "black-box"),
+                        (["audit", "--epsilon", "2", "--black-box", "--white-box", "--canaries", "9"], "white-box"),
+                        (["audit", "--plan", str(path), "--canaries", "9", "--black-box", "--epsilon", "2"], "plan")):
+        assert main(argv) == 2
+        _, err = capsys.readouterr()
+        assert err.startswith(f"error: {param}:") and err.count("\n") == 1

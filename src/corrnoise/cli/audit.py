@@ -14,52 +14,116 @@ FIRST = ("kind", "epsilon_lower", "epsilon_guarantee", "delta", "confidence", "m
 @click.command("audit")
 @click.option("--dataset", type=click.Choice(["digits", "mnist1d"]), default="digits", show_default=True)
 @click.option("--mechanism", default="identity", show_default=True, help="identity, bsr:B, dpcgd:BETA, blt:A:L, ...")
-@click.option("--batching", type=click.Choice(list(BATCHINGS[1:])),
-              default="cyclic", show_default=True)
-@click.option("--epsilon", type=float, required=True, help="The run is calibrated to (epsilon, delta).")
-@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--batching", type=click.Choice(list(BATCHINGS[1:])), default=None,
+              help="Many-run: how the small runs batch (default cyclic). One-run: the real run's pipeline "
+                   "(poisson, cyclic, balls-in-bins; default poisson).")
+@click.option("--epsilon", type=float, default=None, help="The run is calibrated to (epsilon, delta); or give --plan.")
+@click.option("--delta", type=float, default=None, help="The run's delta (default 1e-5, or the plan's).")
+@click.option("--plan", "plan_file", default=None,
+              help="Audit the run a `corrnoise plan --plan-out FILE` planned (its mechanism, batching, noise, size) "
+                   "instead of --mechanism/--batching/--epsilon; one-run only.")
 @click.option("--audit-delta", "audit_delta", type=float, default=None,
               help="Compare bound and guarantee at this delta (default: --delta).")
 @click.option("--canaries", type=int, default=1, show_default=True,
-              help="1: many-run audit (one canary per run); K > 1: one-run audit with K fair-coin canaries.")
+              help="1: many-run audit of small runs (one canary per run); K > 1: one-run audit of the dataset's real "
+                   "training run (default model and hyperparameters) with K fair-coin canaries.")
 @click.option("--runs", type=int, default=None, help="Training runs of the many-run audit (default 400).")
 @click.option("--white-box", "white_box", is_flag=True, help="Gradient canaries scored from the released updates.")
-@click.option("--score", type=click.Choice(["whitened", "sum", "lda"]), default="whitened", show_default=True)
-@click.option("--examples", type=int, default=63, show_default=True, help="Real training examples used.")
-@click.option("--batch-size", "batch_size", type=int, default=16, show_default=True)
-@click.option("--epochs", type=int, default=2, show_default=True)
+@click.option("--black-box", "black_box", is_flag=True,
+              help="Input canaries (random inputs, random labels) scored by their loss under the final model "
+                   "(one-run only).")
+@click.option("--score", type=click.Choice(["whitened", "sum", "lda", "loss", "margin"]), default=None,
+              help="White-box: whitened (default), sum, lda (many-run); black-box: loss (default) or margin.")
+@click.option("--examples", type=int, default=None,
+              help="Real training examples used (many-run default 63; one-run default: the whole training set).")
+@click.option("--batch-size", "batch_size", type=int, default=None, help="Default 16 (many-run) or the dataset's.")
+@click.option("--epochs", type=float, default=None, help="Default 2 (many-run) or the dataset's.")
 @click.option("--confidence", type=float, default=0.95, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="The audit's seed (runs, coins, split).")
 @click.option("--plot", default=None, help="Write a PNG of the in/out score distributions and the threshold.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def audit_command(dataset, mechanism, batching, epsilon, delta, audit_delta, canaries, runs, white_box, score,
-                  examples, batch_size, epochs, confidence, seed, plot, as_json):
-    """Train small runs of the setup with canaries and report a lower bound on its epsilon
-    (kind lower_bound, valid at --confidence) beside its guarantee."""
-    if not white_box:
-        raise CorrnoiseError("white-box", "only white-box (gradient) canaries are implemented so far; pass --white-box")
+def audit_command(dataset, mechanism, batching, epsilon, delta, plan_file, audit_delta, canaries, runs, white_box,
+                  black_box, score, examples, batch_size, epochs, confidence, seed, plot, as_json):
+    """Train runs of the setup with canaries and report a lower bound on its epsilon (kind
+    lower_bound, valid at --confidence) beside its guarantee."""
+    if white_box == black_box:
+        raise CorrnoiseError("white-box", "pass --white-box (gradient canaries) or --black-box (input canaries scored "
+                             "by loss), one of them")
     if plot is not None and not str(plot).lower().endswith(".png"):
         raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
     if canaries < 1:
         raise CorrnoiseError("canaries", f"must be >= 1, got {canaries}")
     if canaries > 1 and runs not in (None, 1):
         raise CorrnoiseError("runs", "the one-run audit (--canaries K > 1) uses one run; give --runs 1 or leave it out")
-    from ..torch.audit import AuditSetup, audit_many_runs, audit_one_run
-
-    make = AuditSetup.digits if dataset == "digits" else AuditSetup.mnist1d
-    setup = make(examples=examples, mechanism=mechanism, batching=batching, epsilon=epsilon, delta=delta,
-                 canaries=canaries, batch_size=batch_size, epochs=epochs)
+    _check_score(score, white_box, canaries)
     if canaries == 1:
-        result = audit_many_runs(setup, 400 if runs is None else runs, score=score, delta=audit_delta,
-                                 confidence=confidence, seed=seed)
+        if black_box:
+            raise CorrnoiseError("black-box", "the black-box audit is one-run: give --canaries K > 1 (e.g. 1000)")
+        if plan_file is not None:
+            raise CorrnoiseError("plan", "a plan fixes the real run's size: audit it one-run (--canaries K > 1)")
+        result, title = _many_run(dataset, mechanism, batching, epsilon, delta, audit_delta, runs, score, examples,
+                                  batch_size, epochs, confidence, seed)
+        data = result.to_dict()
     else:
-        result = audit_one_run(setup, score=score, delta=audit_delta, confidence=confidence, seed=seed)
-    data = result.to_dict()
+        result, facts, title = _one_run(dataset, mechanism, batching, epsilon, delta, plan_file, audit_delta,
+                                        canaries, black_box, score, examples, batch_size, epochs, confidence, seed)
+        data = {**result.to_dict(), "run": facts}
     data = {**{k: data[k] for k in FIRST if k in data}, **data}
     if plot is not None:
         plot_scores(result, plot)
         data["plot"] = str(plot)
-    emit(data, as_json, f"corrnoise audit {mechanism} ({batching})")
+    emit(data, as_json, title)
+
+
+def _check_score(score, white_box, canaries) -> None:
+    allowed = (("whitened", "sum", "lda") if canaries == 1 else ("whitened",)) if white_box else ("loss", "margin")
+    if score is not None and score not in allowed:
+        raise CorrnoiseError("score", f"this audit scores by {', '.join(allowed)}, got {score!r}")
+
+
+def _many_run(dataset, mechanism, batching, epsilon, delta, audit_delta, runs, score, examples, batch_size, epochs,
+              confidence, seed):
+    """The many-run white-box audit of small runs (:func:`corrnoise.torch.audit.audit_many_runs`)."""
+    from ..torch.audit import AuditSetup, audit_many_runs
+
+    if epsilon is None:
+        raise CorrnoiseError("epsilon", "give the epsilon the runs are calibrated to (or --plan with --canaries K > 1)")
+    batching = batching or "cyclic"
+    make = AuditSetup.digits if dataset == "digits" else AuditSetup.mnist1d
+    setup = make(examples=63 if examples is None else examples, mechanism=mechanism, batching=batching,
+                 epsilon=epsilon, delta=1e-5 if delta is None else delta, canaries=1,
+                 batch_size=16 if batch_size is None else batch_size, epochs=2 if epochs is None else int(epochs))
+    result = audit_many_runs(setup, 400 if runs is None else runs, score=score or "whitened", delta=audit_delta,
+                             confidence=confidence, seed=seed)
+    return result, f"corrnoise audit {mechanism} ({batching})"
+
+
+def _one_run(dataset, mechanism, batching, epsilon, delta, plan_file, audit_delta, canaries, black_box, score,
+             examples, batch_size, epochs, confidence, seed):
+    """The one-run audit of the dataset's real run (:func:`corrnoise.torch.audit.audit_training_run`),
+    planned from the options or read from ``plan_file``."""
+    from ..runplan import RunPlan
+    from ..torch.audit import audit_training_run
+
+    plan = None
+    if plan_file is not None:
+        given = [name for name, value in (("epsilon", epsilon), ("batching", batching), ("batch-size", batch_size),
+                                          ("epochs", epochs)) if value is not None]
+        if given or mechanism != "identity":
+            raise CorrnoiseError("plan", f"the plan decides mechanism, batching, noise and size; drop "
+                                 f"--{', --'.join(given or ['mechanism'])}")
+        plan = RunPlan.from_json(plan_file)
+        delta = plan.delta if delta is None else delta
+    elif epsilon is None:
+        raise CorrnoiseError("epsilon", "give the epsilon the run is calibrated to, or --plan FILE")
+    out = audit_training_run(dataset, mechanism=mechanism, batching=batching or "poisson", epsilon=epsilon,
+                             delta=1e-5 if delta is None else delta, plan=plan, canaries=canaries,
+                             black_box=black_box, white_box=not black_box, examples=examples,
+                             epochs=epochs, batch_size=batch_size if plan is None else plan.batch_size,
+                             confidence=confidence, seed=seed, black_box_score=score or "loss",
+                             audit_delta=audit_delta)
+    result = out["black_box" if black_box else "white_box"]
+    return result, out["run"], f"corrnoise audit {out['run']['mechanism']} ({out['run']['batching']}), one run"
 
 
 def plot_scores(result, path: str) -> None:

@@ -26,6 +26,14 @@ canary was in batch t, z i.i.d. N(0, 1). Scores:
 * ``lda`` (many-run only): a linear discriminant of y learned on the selection runs
   (:func:`corrnoise.audit.many_run_audit_features`): no knowledge of C needed, and it finds
   correlations a broken noise left (a reused noise row).
+
+:func:`audit_training_run` audits a *real* run instead (the dataset's default model and
+hyperparameters, one run, Steinke-Nasr-Jagielski 2023): black-box canaries are input examples
+(random inputs, random labels) scored by their loss under the final model; white-box canaries are
+dead input features of :class:`DeadInputModel` (the construction above, for any model). Canaries
+replace the last training examples and a canary left out keeps its index with loss weight 0, so
+in and out differ in one example's gradient (zero-out adjacency) and every canary is scheduled
+by the run's own sampler.
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ from ..sampling import CyclicSampler
 from ..strategies import Strategy
 from .front import make_private
 
-__all__ = ["AuditSetup", "SCORES", "audit_many_runs", "audit_one_run", "canary_run", "inject_canaries"]
+__all__ = ["AuditSetup", "CanaryLayout", "DeadInputModel", "SCORES", "audit_many_runs", "audit_one_run",
+           "audit_training_run", "black_box_scores", "canary_run", "inject_canaries", "input_canaries",
+           "white_box_scores"]
 
 SCORES = ("whitened", "sum", "lda")
 AUDIT_BATCHINGS = BATCHINGS[1:]  # every batching make_private trains with (the vocabulary, less auto)
@@ -360,3 +370,329 @@ def _about(setup: AuditSetup, guarantee, nu: float, elapsed: float) -> dict[str,
             "mechanism": setup.strategy.label, "batching": setup.batching, "steps": setup.steps,
             "noise_std": float(nu), "examples": int(setup.x.shape[0]), "batch_size": setup.batch_size,
             "epochs": setup.epochs, "seconds": round(elapsed, 3)}
+
+
+# --- one-run audit of a real training run: black-box input canaries and white-box gradient canaries ---------
+class DeadInputModel(torch.nn.Module):
+    """The audited model ``base`` on the first ``features`` inputs, plus ``slots`` dead input
+    features feeding a bias-free linear layer ``head`` (slots -> classes) whose output joins the
+    logits: the generalization of the linear audit model's dead weight columns to any model. (For
+    an MLP, extra input columns of its first Linear layer would do the same; a layer of their own
+    also fits models whose first layer is no Linear, like the MNIST-1D CNN, and leaves the base
+    model unchanged.) Real examples and input canaries are 0 there, so no example's gradient reaches
+    ``head.weight``: its coordinates are the white-box canaries'. ``head`` is registered first, so
+    ``head.weight`` is the optimizer's first parameter (the one :func:`inject_canaries` writes)."""
+
+    def __init__(self, base: torch.nn.Module, features: int, slots: int, classes: int):
+        super().__init__()
+        self.head = torch.nn.Linear(slots, classes, bias=False)
+        torch.nn.init.zeros_(self.head.weight)
+        self.base = base
+        self.features = int(features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x[:, : self.features]) + self.head(x[:, self.features:])
+
+
+@dataclass
+class CanaryLayout:
+    """Where the canaries of a one-run audit sit among the ``n`` training indices: the last
+    ``black_box + white_box`` indices (they *replace* real examples, so the audited run has the
+    planned run's size, batches, steps and noise); black-box first, then white-box. ``coins``:
+    the independent fair coins (``black`` / ``white``) drawn before the run."""
+
+    n: int
+    black_box: int
+    white_box: int
+    black_coins: np.ndarray
+    white_coins: np.ndarray
+
+    @property
+    def black_indices(self) -> np.ndarray:
+        start = self.n - self.black_box - self.white_box
+        return np.arange(start, start + self.black_box)
+
+    @property
+    def white_indices(self) -> np.ndarray:
+        return np.arange(self.n - self.white_box, self.n)
+
+
+def input_canaries(m: int, shape: tuple[int, ...], classes: int, rng: np.random.Generator,
+                   scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """m black-box canary examples: inputs drawn i.i.d. N(0, scale^2) per feature (out of the
+    data's distribution) and labels drawn uniformly at random -- examples the model can only fit
+    by memorizing each one (out-of-distribution inputs with random labels, the kind of input
+    canary Steinke, Nasr & Jagielski 2023 use for their black-box audits)."""
+    x = (scale * rng.standard_normal((m, *shape))).astype(np.float32)
+    return x, rng.integers(0, classes, size=m).astype(np.int64)
+
+
+def audit_dataset(x: np.ndarray, y: np.ndarray, layout: CanaryLayout, canary_x: np.ndarray, canary_y: np.ndarray,
+                  slots: int) -> torch.utils.data.TensorDataset:
+    """(inputs with ``slots`` dead features, labels, loss weights, indices) of the audited run.
+
+    The weight is 1 for real examples and included black-box canaries and 0 for canaries left out
+    and for white-box canary items (zero-out adjacency: the index stays and is scheduled by the
+    sampler, its gradient is 0; a white-box canary's gradient is injected instead)."""
+    n, d = x.shape[0], int(np.prod(x.shape[1:]))
+    xs = np.zeros((n, d + slots), dtype=np.float32)
+    xs[:, :d] = x.reshape(n, d)
+    ys = np.asarray(y, dtype=np.int64).copy()
+    w = np.ones(n, dtype=np.float32)
+    b = layout.black_indices
+    xs[b, :d] = canary_x.reshape(len(b), d)
+    ys[b] = canary_y
+    w[b] = layout.black_coins.astype(np.float32)
+    xs[layout.white_indices, :d] = 0.0
+    w[layout.white_indices] = 0.0
+    return torch.utils.data.TensorDataset(torch.from_numpy(xs), torch.from_numpy(ys), torch.from_numpy(w),
+                                          torch.arange(n))
+
+
+def black_box_scores(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, score: str = "loss") -> np.ndarray:
+    """Scores of input canaries under the final model (higher = "in"): ``loss``: minus the
+    cross-entropy of the canary's label; ``margin``: its logit minus the largest other logit."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(np.ascontiguousarray(x)))
+        yt = torch.from_numpy(np.asarray(y, dtype=np.int64))
+        if score == "loss":
+            out = -torch.nn.functional.cross_entropy(logits, yt, reduction="none")
+        elif score == "margin":
+            own = logits.gather(1, yt[:, None])[:, 0]
+            others = logits.scatter(1, yt[:, None], -math.inf).max(dim=1).values
+            out = own - others
+        else:
+            raise CorrnoiseError("score", f"black-box scores are loss or margin, got {score!r}")
+    return out.double().numpy()
+
+
+def white_box_scores(strategy: Strategy, released: np.ndarray, schedules: np.ndarray) -> np.ndarray:
+    """The whitened score <C y_i, C w_i> / ||C w_i|| of each white-box canary i (rows of
+    ``released``: its coordinate of the released updates / max_grad_norm, one entry a step), w_i
+    its public schedule (cyclic) or the expected one (amplified: all ones): the likelihood-ratio
+    statistic of the module docstring."""
+    cy = strategy.multiply(released.T)   # (steps, m)
+    cw = strategy.multiply(schedules.T)
+    norms = np.maximum(np.linalg.norm(cw, axis=0), 1e-300)
+    return np.sum(cy * cw, axis=0) / norms
+
+
+def _run_settings(dataset, epochs, batch_size, lr, examples):
+    from ..datasets import DATASETS, load
+
+    data = load(dataset)
+    hp = dict(DATASETS[dataset].defaults)
+    hp.update({k: v for k, v in dict(epochs=epochs, batch_size=batch_size, lr=lr).items() if v is not None})
+    x, y = data.x_train, data.y_train
+    if examples is not None:
+        examples = check_int("examples", examples, minimum=2, maximum=len(y))
+        x, y = x[:examples], y[:examples]
+    return data, hp, np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int64)
+
+
+def _train(model, opt, loader, weighted: bool, observe=None) -> float:
+    """The user's loop until the planned steps are taken (weighted: the audit's per-example loss
+    weights); ``observe(step)`` after every step. Returns the loop's seconds."""
+    start = time.perf_counter()
+    ce = torch.nn.CrossEntropyLoss(reduction="none" if weighted else "mean")
+    while opt.steps_taken < opt.steps:
+        model.train()
+        for batch in loader:
+            if weighted:
+                xb, yb, wb, _ = batch
+                loss = (ce(model(xb), yb) * wb).mean()
+            else:
+                xb, yb = batch
+                loss = ce(model(xb), yb)
+            loss.backward()
+            opt.step()
+            if observe is not None:
+                observe(opt.steps_taken - 1)
+            opt.zero_grad()
+    return time.perf_counter() - start
+
+
+def _accuracy(model, x, y) -> float:
+    model.eval()
+    with torch.no_grad():
+        pred = model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).argmax(1).numpy()
+    return float(np.mean(pred == np.asarray(y)))
+
+
+def audit_training_run(dataset: str = "mnist1d", *, mechanism: str = "identity", batching: str = "poisson",
+                       epsilon: float | None = None, delta: float | None = None, plan=None, canaries: int = 1000,
+                       black_box: bool = True, white_box: bool = True, examples: int | None = None,
+                       epochs: float | None = None, batch_size: int | None = None, lr: float | None = None,
+                       confidence: float = 0.95, seed: int = 0, black_box_score: str = "loss",
+                       baseline: bool = False, patch=None, threads: int | None = None,
+                       audit_delta: float | None = None, gdp: bool = True) -> dict[str, Any]:
+    """One-run audit (Steinke, Nasr & Jagielski 2023) of a real training run: the dataset's
+    default model and hyperparameters (:data:`corrnoise.datasets.DATASETS`, as ``corrnoise train``
+    builds them; ``epochs`` / ``batch_size`` / ``lr`` / ``examples`` override), the run planned by
+    :func:`corrnoise.runplan.plan_run` for (``mechanism``, the pipeline ``batching``, ``epsilon``,
+    ``delta``) or the given ``plan`` (a :class:`~corrnoise.runplan.RunPlan`, trained exactly).
+
+    ``canaries`` black-box canaries (:func:`input_canaries`, scored by ``black_box_score`` under
+    the final model) and/or ``canaries`` white-box canaries (dead coordinates of
+    :class:`DeadInputModel`'s head, scored from the released updates by
+    :func:`white_box_scores`), each included by an independent fair coin; they replace the last
+    training examples (:class:`CanaryLayout`) and are scheduled by the run's own sampler. Each
+    kind gets its own :func:`corrnoise.audit.one_run_audit` at ``confidence`` (kind
+    ``lower_bound``), compared with the run's guarantee, both at ``audit_delta`` (default: the
+    run's ``delta``: 1e-5, or the plan's). ``baseline``: also train the same run (same seeds,
+    data, model) without canaries and report both loop times. ``patch(optimizer)``: a test
+    fixture's hook on the noise path. ``gdp``: also the GDP refinement (``extras["gdp_lower"]``:
+    a lower bound on mu, :func:`corrnoise.audit.one_run_mu_lower`).
+
+    Returns {"black_box": AuditResult, "white_box": AuditResult (those asked for), "run": facts}.
+    """
+    from ..models import model_for
+
+    if not (black_box or white_box):
+        raise CorrnoiseError("canaries", "ask for black-box or white-box canaries (or both)")
+    m = check_int("canaries", canaries, minimum=2)
+    data, hp, x, y = _run_settings(dataset, epochs, batch_size, lr, examples)
+    n, classes = len(y), data.num_classes
+    m_b, m_w = (m if black_box else 0), (m if white_box else 0)
+    if m_b + m_w > n // 2:
+        raise CorrnoiseError("canaries", f"{m_b + m_w} canaries would replace more than half of the {n} examples")
+    run, delta = _audited_plan(plan, n, hp, mechanism, batching, epsilon, delta)
+    rng = np.random.default_rng(check_int("seed", seed, minimum=0))
+    layout = CanaryLayout(n, m_b, m_w, rng.random(m_b) < 0.5, rng.random(m_w) < 0.5)
+    canary_x, canary_y = input_canaries(m_b, x.shape[1:], classes, rng)
+    slots = max(1, -(-m_w // classes))
+    seeds = tuple(int(rng.integers(2 ** 62)) for _ in range(3))  # noise, sampler, model initialization
+    zeta = float(hp["clip_norm"])
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(check_int("threads", threads, minimum=1))
+    try:
+        torch.manual_seed(seeds[2])
+        model = DeadInputModel(model_for(dataset), int(np.prod(x.shape[1:])), slots, classes)
+        model, opt, loader = _private(model, audit_dataset(x, y, layout, canary_x, canary_y, slots), run, hp, seeds)
+        released, observe = _white_box_canaries(model, opt, layout, classes, zeta)
+        if patch is not None:
+            patch(opt)
+        seconds = _train(model, opt, loader, True, observe)
+        if audit_delta is not None:
+            delta = check_real("audit_delta", audit_delta, low=0.0, high=1.0, low_open=True, high_open=True)
+        facts = _run_facts(dataset, run, opt, hp, delta, seconds, m)
+        facts["test_accuracy_with_canaries"] = _accuracy(model, _with_dead(data.x_test, slots), data.y_test)
+        about = {k: facts[k] for k in ("epsilon_guarantee", "guarantee_kind", "mechanism", "batching", "steps",
+                                       "noise_std", "examples", "dataset")}
+        kind = opt.batching.spec.split(":")[0]
+        out: dict[str, Any] = {}
+        if m_b:
+            scores = black_box_scores(model, _with_dead(canary_x, slots), canary_y, black_box_score)
+            res = one_run_audit(scores, layout.black_coins, delta=delta, confidence=confidence, gdp=gdp,
+                                method=f"one-run black-box (input canaries, {black_box_score} score, {kind})")
+            out["black_box"] = res.with_extras(**about, ratio=res.epsilon_lower / about["epsilon_guarantee"])
+        if m_w:
+            scores = white_box_scores(opt.strategy, released, _schedules(opt, layout.white_indices))
+            res = one_run_audit(scores, layout.white_coins, delta=delta, confidence=confidence, gdp=gdp,
+                                method=f"one-run white-box (gradient canaries in dead inputs, whitened score, {kind})")
+            out["white_box"] = res.with_extras(**about, ratio=res.epsilon_lower / about["epsilon_guarantee"])
+        if baseline:
+            facts.update(_baseline(dataset, data, x, y, run, hp, seeds, seconds))
+    finally:
+        torch.set_num_threads(previous)
+    out["run"] = facts
+    return out
+
+
+def _audited_plan(plan, n: int, hp: dict, mechanism, batching, epsilon, delta):
+    """(the RunPlan of the audited run, its delta): ``plan`` checked against the data's size, or
+    planned as ``corrnoise train`` plans it (:func:`corrnoise.runplan.plan_run`, the pipeline)."""
+    from ..runplan import RunPlan, plan_run
+
+    if plan is not None:
+        if not isinstance(plan, RunPlan):
+            raise CorrnoiseError("plan", f"must be a RunPlan (RunPlan.from_json), got {type(plan).__name__}")
+        plan.check_fits(dataset_size=n)
+        return plan, plan.delta
+    delta = 1e-5 if delta is None else delta
+    return plan_run(dataset_size=n, batch_size=check_int("batch_size", hp["batch_size"], minimum=1, maximum=n),
+                    mechanism=mechanism, pipeline=batching, epsilon=epsilon, delta=delta, epochs=hp["epochs"],
+                    progress=False), delta
+
+
+def _private(model, dataset, run, hp: dict, seeds: tuple[int, int, int]):
+    """make_private(plan=run) with the dataset's optimizer settings and the audit's fixed seeds."""
+    opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp.get("momentum", 0.0))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=run.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fixed sampler seed: the audit's reproducibility
+        return make_private(model, opt, loader, plan=run, max_grad_norm=float(hp["clip_norm"]), seed=seeds[1],
+                            noise_seed=seeds[0])
+
+
+def _white_box_canaries(model: DeadInputModel, opt, layout: CanaryLayout, classes: int, zeta: float):
+    """Inject the included white-box canaries (coordinate (i mod classes, i div classes) of the
+    head, norm ``zeta``) and return (the released-update array to fill, the per-step observer)."""
+    if opt.params[0] is not model.head.weight:
+        raise RuntimeError("the dead-input head is not the optimizer's first parameter")
+    m_w = layout.white_box
+    rows = [i % classes for i in range(m_w)]
+    cols = [i // classes for i in range(m_w)]
+    directions = {}
+    for i, index in enumerate(layout.white_indices):
+        if layout.white_coins[i]:
+            u = torch.zeros_like(model.head.weight)
+            u[rows[i], cols[i]] = zeta
+            directions[int(index)] = u
+    inject_canaries(opt, directions)
+    released = np.zeros((m_w, opt.steps))
+
+    def observe(t: int) -> None:
+        if m_w:  # what the optimizer released at step t, in units of zeta
+            g = model.head.weight.grad.detach() * opt.expected_batch_size
+            released[:, t] = g[rows, cols].double().numpy() / zeta
+
+    return released, observe
+
+
+def _run_facts(dataset, run, opt, hp: dict, delta: float, seconds: float, m: int) -> dict[str, Any]:
+    guarantee = opt.run_guarantee(delta)
+    return {"dataset": dataset, "examples": run.dataset_size, "mechanism": run.label, "strategy": opt.strategy.label,
+            "batching": opt.batching.spec, "steps": int(opt.steps), "batch_size": run.batch_size,
+            "epochs": round(opt.steps / run.steps_per_epoch, 6), "lr": hp["lr"], "clip_norm": float(hp["clip_norm"]),
+            "noise_std": float(opt.noise_std), "epsilon_guarantee": float(guarantee.epsilon),
+            "guarantee_kind": guarantee.kind, "guarantee_method": guarantee.method, "delta": float(delta),
+            "seconds_with_canaries": round(seconds, 2), "canaries_per_kind": m,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _baseline(dataset, data, x, y, run, hp, seeds, seconds: float) -> dict[str, Any]:
+    """The same run without canaries (same seeds, the real data, the plain model): its loop time,
+    the overhead ratio and its test accuracy."""
+    from ..models import model_for
+
+    torch.manual_seed(seeds[2])
+    plain, opt, loader = _private(model_for(dataset), torch.utils.data.TensorDataset(
+        torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)), run, hp, seeds)
+    base = _train(plain, opt, loader, False)
+    return {"seconds_without_canaries": round(base, 2), "time_overhead": round(seconds / base, 3),
+            "test_accuracy_without_canaries": _accuracy(plain, data.x_test, data.y_test)}
+
+
+def _with_dead(x: np.ndarray, slots: int) -> np.ndarray:
+    """Inputs flattened with ``slots`` zero (dead) features appended."""
+    flat = np.asarray(x, dtype=np.float32).reshape(len(x), -1)
+    return np.concatenate([flat, np.zeros((len(x), slots), dtype=np.float32)], axis=1)
+
+
+def _schedules(opt, indices: np.ndarray) -> np.ndarray:
+    """(len(indices), steps) weights of the whitened score: the realized schedule when the
+    batching is unamplified (cyclic: the order is public), else all ones (the expected schedule;
+    the amplified guarantee assumes the realized one secret)."""
+    out = np.ones((len(indices), opt.steps))
+    if opt.batching.spec.split(":")[0] in ("cyclic", "none"):
+        where = {int(j): k for k, j in enumerate(indices)}
+        out[:] = 0.0
+        for t in range(opt.steps):
+            for j in opt.sampler.batch(t):
+                k = where.get(int(j))
+                if k is not None:
+                    out[k, t] = 1.0
+    return out
