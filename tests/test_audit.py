@@ -301,9 +301,11 @@ def test_cli_audit_prints_the_contract_fields(capsys):
     for key in ("epsilon_lower", "epsilon_guarantee", "confidence", "method", "canaries", "runs", "auc"):
         assert key in d
     assert d["kind"] == "lower_bound" and d["runs"] == 20 and d["epsilon_lower"] <= d["epsilon_guarantee"]
+    assert d["canaries"] == 64 and d["trials"] == 20 * 64  # --per-run 64 by default: a trial per canary
     assert d["gdp_estimate"]["kind"] == "estimate"
     for argv, param in ((["audit", "--epsilon", "2"], "white-box"),
-                        (["audit", "--epsilon", "2", "--white-box", "--canaries", "5", "--runs", "3"], "runs")):
+                        (["audit", "--epsilon", "2", "--white-box", "--canaries", "5", "--runs", "3"], "runs"),
+                        (["audit", "--epsilon", "2", "--white-box", "--per-run", "0"], "per-run")):
         assert main(argv) == 2
         _, err = capsys.readouterr()
         assert err.startswith(f"error: {param}:") and err.count("\n") == 1

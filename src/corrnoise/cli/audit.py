@@ -28,6 +28,9 @@ FIRST = ("kind", "epsilon_lower", "epsilon_guarantee", "delta", "confidence", "m
               help="1: many-run audit of small runs (one canary per run); K > 1: one-run audit of the dataset's real "
                    "training run (default model and hyperparameters) with K fair-coin canaries.")
 @click.option("--runs", type=int, default=None, help="Training runs of the many-run audit (default 400).")
+@click.option("--per-run", "per_run", type=int, default=64, show_default=True,
+              help="Many-run: canaries in each small run, each its own trial (dead coordinates, independent "
+                   "noise; all at a worst-case position); 1 = one canary a run.")
 @click.option("--white-box", "white_box", is_flag=True, help="Gradient canaries scored from the released updates.")
 @click.option("--black-box", "black_box", is_flag=True,
               help="Input canaries (random inputs, random labels) scored by their loss under the final model "
@@ -35,15 +38,17 @@ FIRST = ("kind", "epsilon_lower", "epsilon_guarantee", "delta", "confidence", "m
 @click.option("--score", type=click.Choice(["whitened", "sum", "lda", "loss", "margin"]), default=None,
               help="White-box: whitened (default), sum, lda (many-run); black-box: loss (default) or margin.")
 @click.option("--examples", type=int, default=None,
-              help="Real training examples used (many-run default 63; one-run default: the whole training set).")
-@click.option("--batch-size", "batch_size", type=int, default=None, help="Default 16 (many-run) or the dataset's.")
+              help="Real training examples used (many-run default 4 x batch - per-run; one-run default: the whole "
+                   "training set).")
+@click.option("--batch-size", "batch_size", type=int, default=None,
+              help="Default max(16, per-run) (many-run) or the dataset's.")
 @click.option("--epochs", type=float, default=None, help="Default 2 (many-run) or the dataset's.")
 @click.option("--confidence", type=float, default=0.95, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="The audit's seed (runs, coins, split).")
 @click.option("--plot", default=None, help="Write a PNG of the in/out score distributions and the threshold.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def audit_command(dataset, mechanism, batching, epsilon, delta, plan_file, audit_delta, canaries, runs, white_box,
-                  black_box, score, examples, batch_size, epochs, confidence, seed, plot, as_json):
+def audit_command(dataset, mechanism, batching, epsilon, delta, plan_file, audit_delta, canaries, runs, per_run,
+                  white_box, black_box, score, examples, batch_size, epochs, confidence, seed, plot, as_json):
     """Train runs of the setup with canaries and report a lower bound on its epsilon (kind
     lower_bound, valid at --confidence) beside its guarantee."""
     if white_box == black_box:
@@ -61,8 +66,8 @@ def audit_command(dataset, mechanism, batching, epsilon, delta, plan_file, audit
             raise CorrnoiseError("black-box", "the black-box audit is one-run: give --canaries K > 1 (e.g. 1000)")
         if plan_file is not None:
             raise CorrnoiseError("plan", "a plan fixes the real run's size: audit it one-run (--canaries K > 1)")
-        result, title = _many_run(dataset, mechanism, batching, epsilon, delta, audit_delta, runs, score, examples,
-                                  batch_size, epochs, confidence, seed)
+        result, title = _many_run(dataset, mechanism, batching, epsilon, delta, audit_delta, runs, per_run, score,
+                                  examples, batch_size, epochs, confidence, seed)
         data = result.to_dict()
     else:
         result, facts, title = _one_run(dataset, mechanism, batching, epsilon, delta, plan_file, audit_delta,
@@ -81,18 +86,25 @@ def _check_score(score, white_box, canaries) -> None:
         raise CorrnoiseError("score", f"this audit scores by {', '.join(allowed)}, got {score!r}")
 
 
-def _many_run(dataset, mechanism, batching, epsilon, delta, audit_delta, runs, score, examples, batch_size, epochs,
-              confidence, seed):
-    """The many-run white-box audit of small runs (:func:`corrnoise.torch.audit.audit_many_runs`)."""
+def _many_run(dataset, mechanism, batching, epsilon, delta, audit_delta, runs, per_run, score, examples, batch_size,
+              epochs, confidence, seed):
+    """The many-run white-box audit of small runs (:func:`corrnoise.torch.audit.audit_many_runs`):
+    ``per_run`` canaries a run; by default batch max(16, per_run) and four batches an epoch."""
     from ..torch.audit import AuditSetup, audit_many_runs
 
     if epsilon is None:
         raise CorrnoiseError("epsilon", "give the epsilon the runs are calibrated to (or --plan with --canaries K > 1)")
+    if per_run < 1:
+        raise CorrnoiseError("per-run", f"must be >= 1, got {per_run}")
     batching = batching or "cyclic"
+    batch_size = max(16, per_run) if batch_size is None else batch_size
+    examples = 4 * batch_size - per_run if examples is None else examples
+    if examples < 1:
+        raise CorrnoiseError("examples", f"leaves no real example beside {per_run} canaries a run")
     make = AuditSetup.digits if dataset == "digits" else AuditSetup.mnist1d
-    setup = make(examples=63 if examples is None else examples, mechanism=mechanism, batching=batching,
-                 epsilon=epsilon, delta=1e-5 if delta is None else delta, canaries=1,
-                 batch_size=16 if batch_size is None else batch_size, epochs=2 if epochs is None else int(epochs))
+    setup = make(examples=examples, mechanism=mechanism, batching=batching,
+                 epsilon=epsilon, delta=1e-5 if delta is None else delta, canaries=per_run,
+                 batch_size=batch_size, epochs=2 if epochs is None else int(epochs))
     result = audit_many_runs(setup, 400 if runs is None else runs, score=score or "whitened", delta=audit_delta,
                              confidence=confidence, seed=seed)
     return result, f"corrnoise audit {mechanism} ({batching})"
