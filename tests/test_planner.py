@@ -451,3 +451,23 @@ def test_selection_delta_bounds_the_worst_choice_among_verified_candidates():
                     assert divergence <= delta * (1 + 1e-12), (k, bad)
                 elif any(bad) and not all(bad):  # a good fallback behind a bad pass: over delta
                     assert divergence > delta, (k, bad)
+
+
+def test_a_designable_family_is_one_registration(monkeypatch):
+    """docs/design.md "Adding a mechanism": the planner learns a family from its design_family
+    registration alone (its name for --only, its builds); nothing else lists it."""
+    from corrnoise.planner import designs, families
+    from corrnoise.strategies import DPCGD
+
+    monkeypatch.setattr(families, "_FAMILY_DESIGNS", dict(families._FAMILY_DESIGNS))
+
+    @families.design_family("toy")
+    def toy(ctx):
+        return [("toy:0.6", lambda: designs._Design("toy", "toy:0.6", DPCGD(0.6, ctx.n), 0, 3.0, ["none"], 0.0))]
+
+    assert "toy" in families.families()
+    result = plan(steps=16, epochs=2, epsilon=2.0, delta=1e-5, pipeline="cyclic", only="toy", progress=False, **FAST)
+    assert result.recommended.mechanism == "toy:0.6" and result.recommended.family == "toy"
+    with pytest.raises(CorrnoiseError) as info:
+        PlanSetup(steps=16, epochs=2, epsilon=2.0, delta=1e-5, only="nope")
+    assert info.value.param == "only" and "toy" in str(info.value)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..noise_memory import format_size, noise_state_bytes, noise_state_vectors
-from .constants import MAX_REGENERATE_N, REGENERABLE_FAMILIES
-from .designs import _toeplitz_regenerate_cost
+from .constants import MAX_REGENERATE_N
+from .designs import REGENERABLE_FAMILIES, _toeplitz_regenerate_cost
 from .setup import PlanSetup
 from .store import cached_numbers
 

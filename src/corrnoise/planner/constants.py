@@ -1,10 +1,10 @@
-"""The planner's families, pipelines, sweeps and screening settings (one place)."""
+"""The planner's pipelines, sweeps and screening settings (one place; the families register
+themselves in :mod:`.designs`)."""
 
 from __future__ import annotations
 
 from ..pipelines import PIPELINES, pipeline_spec_heads
 
-FAMILIES = ("dpsgd", "bandmf", "blt", "dpcgd", "toeplitz", "dense", "tree")
 _PIPELINE_BATCHINGS = {pipeline: pipeline_spec_heads(pipeline) for pipeline in PIPELINES}
 #: PLD value discretization while screening (pessimistic, so still a guarantee; ~10x faster); the
 #: final calibration starts from it. (1e-2 would be 4-5x faster again, but its pessimism grows with
@@ -63,11 +63,6 @@ SCREEN_NOISE_MARGIN = 0.05
 
 #: Noise-memory budget (issue #27 item 5): the families whose buffered noise has a regenerated
 #: variant the planner switches to when the buffers do not fit -- the same C and the same noise,
-#: C^{-1} regenerated from the key (tutorial Sec. 4.4.5, Approach 2) at O(t) seed-noise draws at
-#: step t instead of b - 1 or d model-size buffers. (dpsgd, dpcgd, toeplitz, dense and the plain tree
-#: keep no buffers already; tree:ls is not switched: its memoryless form would materialize C^{-1},
-#: n x (2n - 1) numbers, and the plain tree is its buffer-free sibling among the candidates.)
-REGENERABLE_FAMILIES = ("bandmf", "blt")
 #: ... up to this many steps: the planner's limit for the regenerated full Toeplitz candidate
 #: (its C^{-1} is as dense; about n / 2 draws per step on average); past it the candidate is excluded.
 MAX_REGENERATE_N = MAX_TOEPLITZ_N

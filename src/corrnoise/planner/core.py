@@ -97,12 +97,12 @@ from typing import Any, Callable, Iterable
 from ..errors import CorrnoiseError, check_int
 from ..noise_memory import format_size
 from ..progress import LineProgress, format_seconds, null_progress
-from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, ESTIMATE_MC_SAMPLES, FAMILIES, FINAL_MC_SAMPLES,
+from .constants import (BANDS, BETAS, BUFFERS, DPSGD_TIE_MARGIN, ESTIMATE_MC_SAMPLES, FINAL_MC_SAMPLES,
                         IMPROVEMENT_MARGIN,
                         MAX_DENSE_N, MAX_FINALIZE, MAX_NOISE_MULTIPLIER, MAX_TOEPLITZ_N, PIPELINES,
                         SCREEN_DISCRETIZATION, SCREEN_MC_SAMPLES, SCREEN_MC_TAU, SCREEN_NOISE_MARGIN)
 from .budget import apply_noise_budget
-from .designs import DESIGN_FAILURES, _batching_spec, _designs, _errors
+from .designs import DESIGN_FAILURES, FAMILIES, _batching_spec, _designs, _errors
 from .setup import PlanSetup, make_setup
 from .store import cached_errors
 

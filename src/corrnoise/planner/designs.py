@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import CorrnoiseError
-from .constants import (_PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, FAMILIES, MAX_DENSE_N, MAX_TOEPLITZ_N,
+from .constants import (_PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, MAX_DENSE_N, MAX_TOEPLITZ_N,
                         TOEPLITZ_MAX_ITERATIONS, TREE_DECODINGS)
+from .families import design_family, families, family_designs, regenerable_families
 from .setup import PlanSetup
 from .store import cached_numbers, cached_strategy
 
@@ -62,120 +63,185 @@ class _Design:
     seconds: float
 
 
-def _designs(setup: PlanSetup) -> list[tuple[str, Callable[[], _Design | None]]]:
+@dataclass
+class _Context:
+    """What a family's designs depend on: n steps, b steps an epoch, the participation schema,
+    the batchings the pipeline allows, and whether (and which) balls-in-bins applies."""
+
+    n: int
+    b: int
+    part: str
+    allowed: tuple
+    bins_ok: bool
+    bins: str
+
+
+Tasks = list[tuple[str, Callable[[], "_Design | None"]]]
+def _timed(fn):
+    def run():
+        t0 = time.perf_counter()
+        design = fn()
+        design.seconds = time.perf_counter() - t0
+        return design
+    return run
+
+
+def _designs(setup: PlanSetup) -> Tasks:
     """(label, build) for every strategy the setup allows; build() optimizes it."""
-    n, b, part = setup.n, setup.steps_per_epoch, setup.participation
+    n, b = setup.n, setup.steps_per_epoch
     allowed = _PIPELINE_BATCHINGS[setup.pipeline]
-    families = setup.only or FAMILIES
-    bins_ok = "balls-in-bins" in allowed and n % b == 0 and b >= 1
-    bins = f"balls-in-bins:{b}"
-    tasks: list[tuple[str, Callable[[], _Design | None]]] = []
+    ctx = _Context(n, b, setup.participation, tuple(allowed), "balls-in-bins" in allowed and n % b == 0 and b >= 1,
+                   f"balls-in-bins:{b}")
+    wanted = setup.only or families()
+    return [(label, _timed(build)) for family in families() if family in wanted
+            for label, build in family_designs(family)(ctx)]
 
-    def timed(fn):
-        def run():
-            t0 = time.perf_counter()
-            design = fn()
-            design.seconds = time.perf_counter() - t0
-            return design
-        return run
 
-    if "dpsgd" in families:
-        def dpsgd():
-            from ..strategies import Identity
+@design_family("dpsgd")
+def _dpsgd_designs(ctx: _Context) -> Tasks:
+    def dpsgd():
+        from ..strategies import Identity
 
-            # balls-in-bins too (the accounting gate checks its precondition, as for every family);
-            # without it a balls-in-bins pipeline got only unamplified DP-SGD
-            bats = ["none"] + (["poisson"] if "poisson" in allowed else []) + ([bins] if bins_ok else [])
-            return _Design("dpsgd", "dpsgd", Identity(n), 0, 1.0, bats, 0.0)
-        tasks.append(("dpsgd", timed(dpsgd)))
-    if "bandmf" in families:
-        for bands in BANDS:
-            if bands > b or bands > n:
-                continue
+        # balls-in-bins too (the accounting gate checks its precondition, as for every family);
+        # without it a balls-in-bins pipeline got only unamplified DP-SGD
+        bats = ["none"] + (["poisson"] if "poisson" in ctx.allowed else []) + ([ctx.bins] if ctx.bins_ok else [])
+        return _Design("dpsgd", "dpsgd", Identity(ctx.n), 0, 1.0, bats, 0.0)
+    return [("dpsgd", dpsgd)]
 
-            def bandmf(bands=bands):
-                from ..optimize import optimize_banded_toeplitz
 
-                strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": bands, "participation": part},
-                                        lambda: optimize_banded_toeplitz(n, bands, participation=part))
-                bats = ["none"]
-                if "block-cyclic" in allowed:
-                    bats.append(f"block-cyclic:{bands}")
-                if bins_ok and strat.is_nonnegative():
-                    bats.append(bins)
-                return _Design("bandmf", f"bandmf:{bands}", strat, bands - 1, float(bands), bats, 0.0)
-            tasks.append((f"bandmf:{bands}", timed(bandmf)))
-    if "blt" in families and n >= 2:
-        path: dict[int, Any] = {}
+@design_family("bandmf", regenerable=True)
+def _bandmf_designs(ctx: _Context) -> Tasks:
+    n, part, tasks = ctx.n, ctx.part, []
+    for bands in BANDS:
+        if bands > ctx.b or bands > n:
+            continue
 
-        def blt_path():
-            """optimize_blt(n, buffers=d) for every d in BUFFERS from one run of the d = 1, 2, ...
-            path (optimize_blt_each: the same BLTs, each d computed once instead of per design)."""
-            from ..optimize import optimize_blt_each
-
-            if not path:
-                path.update(optimize_blt_each(n, BUFFERS, participation=part))
-            return path
-
-        def blt_or_error(d: int):
-            found = blt_path().get(d)
-            if found is None:
-                raise CorrnoiseError("buffers", "BLT optimization did not produce valid parameters; try another "
-                                     "number of buffers")
-            return found
-
-        for d in BUFFERS:
-            def blt(d=d):
-                strat = cached_strategy("optimize_blt", {"n": n, "buffers": d, "participation": part},
-                                        lambda: blt_or_error(d))
-                d_eff = len(strat.alpha)
-                bats = ["none"] + ([bins] if bins_ok and strat.is_nonnegative() else [])
-                return _Design("blt", f"blt:{d_eff}", strat, d_eff, 1.0 + 2.0 * d_eff, bats, 0.0)
-            tasks.append((f"blt:{d}", timed(blt)))
-    if "dpcgd" in families:
-        # beta and column normalization chosen per target and batching by the calibrated
-        # rms_error (seed 003 Sec. 5.1: the best beta moves with epsilon and amplification)
-        for beta in BETAS:
-            for colnorm in (False, True):
-                def dpcgd(beta=beta, colnorm=colnorm):
-                    from ..strategies import DPCGD, ColumnNormalized
-
-                    strat = ColumnNormalized(DPCGD(beta, n)) if colnorm else DPCGD(beta, n)
-                    bats = ["none"] + ([bins] if bins_ok else [])
-                    name = f"dpcgd:{beta:g}" + ("+colnorm" if colnorm else "")
-                    return _Design("dpcgd", name, strat, 0, 4.0 if colnorm else 3.0, bats, 0.0)
-                tasks.append((f"dpcgd:{beta:g}" + ("+colnorm" if colnorm else ""), timed(dpcgd)))
-    if "toeplitz" in families and 2 <= n <= MAX_TOEPLITZ_N:
-        def toeplitz():
+        def bandmf(bands=bands):
             from ..optimize import optimize_banded_toeplitz
 
-            strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": n, "participation": part,
-                                                                 "max_iterations": TOEPLITZ_MAX_ITERATIONS},
-                                    lambda: optimize_banded_toeplitz(n, n, participation=part,
-                                                                     max_iterations=TOEPLITZ_MAX_ITERATIONS))
-            (cost,) = cached_numbers(strat, "regenerate_cost",
-                                     lambda s: (_toeplitz_regenerate_cost(s.inverse_coefficients, n),), 1)
-            return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
-        tasks.append(("toeplitz", timed(toeplitz)))
-    if "dense" in families and 2 <= n <= MAX_DENSE_N:
-        def dense():
-            from ..optimize import optimize_dense
-
-            strat = cached_strategy("optimize_dense", {"n": n, "participation": part},
-                                    lambda: optimize_dense(n, participation=part))
-            return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
-        tasks.append(("dense", timed(dense)))
-    if "tree" in families and n >= 2:
-        for decoding in TREE_DECODINGS:
-            def tree(decoding=decoding):
-                from ..strategies import OnlineTree
-
-                strat = OnlineTree(n, decoding)
-                stream = strat.noise_stream()
-                return _Design("tree", strat.label, strat, stream.buffer_rows(), _tree_cost(n, stream.buffer_rows() > 0),
-                               ["none"], 0.0)
-            tasks.append(("tree" if decoding == "plain" else f"tree:{decoding}", timed(tree)))
+            strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": bands, "participation": part},
+                                    lambda: optimize_banded_toeplitz(n, bands, participation=part))
+            bats = ["none"]
+            if "block-cyclic" in ctx.allowed:
+                bats.append(f"block-cyclic:{bands}")
+            if ctx.bins_ok and strat.is_nonnegative():
+                bats.append(ctx.bins)
+            return _Design("bandmf", f"bandmf:{bands}", strat, bands - 1, float(bands), bats, 0.0)
+        tasks.append((f"bandmf:{bands}", bandmf))
     return tasks
+
+
+@design_family("blt", regenerable=True)
+def _blt_designs(ctx: _Context) -> Tasks:
+    n, part = ctx.n, ctx.part
+    if n < 2:
+        return []
+    path: dict[int, Any] = {}
+
+    def blt_path():
+        """optimize_blt(n, buffers=d) for every d in BUFFERS from one run of the d = 1, 2, ...
+        path (optimize_blt_each: the same BLTs, each d computed once instead of per design)."""
+        from ..optimize import optimize_blt_each
+
+        if not path:
+            path.update(optimize_blt_each(n, BUFFERS, participation=part))
+        return path
+
+    def blt_or_error(d: int):
+        found = blt_path().get(d)
+        if found is None:
+            raise CorrnoiseError("buffers", "BLT optimization did not produce valid parameters; try another "
+                                 "number of buffers")
+        return found
+
+    tasks = []
+    for d in BUFFERS:
+        def blt(d=d):
+            strat = cached_strategy("optimize_blt", {"n": n, "buffers": d, "participation": part},
+                                    lambda: blt_or_error(d))
+            d_eff = len(strat.alpha)
+            bats = ["none"] + ([ctx.bins] if ctx.bins_ok and strat.is_nonnegative() else [])
+            return _Design("blt", f"blt:{d_eff}", strat, d_eff, 1.0 + 2.0 * d_eff, bats, 0.0)
+        tasks.append((f"blt:{d}", blt))
+    return tasks
+
+
+@design_family("dpcgd")
+def _dpcgd_designs(ctx: _Context) -> Tasks:
+    # beta and column normalization chosen per target and batching by the calibrated
+    # rms_error (seed 003 Sec. 5.1: the best beta moves with epsilon and amplification)
+    tasks = []
+    for beta in BETAS:
+        for colnorm in (False, True):
+            def dpcgd(beta=beta, colnorm=colnorm):
+                from ..strategies import DPCGD, ColumnNormalized
+
+                strat = ColumnNormalized(DPCGD(beta, ctx.n)) if colnorm else DPCGD(beta, ctx.n)
+                bats = ["none"] + ([ctx.bins] if ctx.bins_ok else [])
+                name = f"dpcgd:{beta:g}" + ("+colnorm" if colnorm else "")
+                return _Design("dpcgd", name, strat, 0, 4.0 if colnorm else 3.0, bats, 0.0)
+            tasks.append((f"dpcgd:{beta:g}" + ("+colnorm" if colnorm else ""), dpcgd))
+    return tasks
+
+
+@design_family("toeplitz")
+def _toeplitz_designs(ctx: _Context) -> Tasks:
+    n, part = ctx.n, ctx.part
+    if not 2 <= n <= MAX_TOEPLITZ_N:
+        return []
+
+    def toeplitz():
+        from ..optimize import optimize_banded_toeplitz
+
+        strat = cached_strategy("optimize_banded_toeplitz", {"n": n, "bands": n, "participation": part,
+                                                             "max_iterations": TOEPLITZ_MAX_ITERATIONS},
+                                lambda: optimize_banded_toeplitz(n, n, participation=part,
+                                                                 max_iterations=TOEPLITZ_MAX_ITERATIONS))
+        (cost,) = cached_numbers(strat, "regenerate_cost",
+                                 lambda s: (_toeplitz_regenerate_cost(s.inverse_coefficients, n),), 1)
+        return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
+    return [("toeplitz", toeplitz)]
+
+
+@design_family("dense")
+def _dense_designs(ctx: _Context) -> Tasks:
+    n, part = ctx.n, ctx.part
+    if not 2 <= n <= MAX_DENSE_N:
+        return []
+
+    def dense():
+        from ..optimize import optimize_dense
+
+        strat = cached_strategy("optimize_dense", {"n": n, "participation": part},
+                                lambda: optimize_dense(n, participation=part))
+        return _Design("dense", "dense", strat, 0, _regenerate_cost(strat.noising_matrix()), ["none"], 0.0)
+    return [("dense", dense)]
+
+
+@design_family("tree")
+def _tree_designs(ctx: _Context) -> Tasks:
+    n = ctx.n
+    if n < 2:
+        return []
+    tasks = []
+    for decoding in TREE_DECODINGS:
+        def tree(decoding=decoding):
+            from ..strategies import OnlineTree
+
+            strat = OnlineTree(n, decoding)
+            stream = strat.noise_stream()
+            return _Design("tree", strat.label, strat, stream.buffer_rows(), _tree_cost(n, stream.buffer_rows() > 0),
+                           ["none"], 0.0)
+        tasks.append(("tree" if decoding == "plain" else f"tree:{decoding}", tree))
+    return tasks
+
+
+#: the planner's families, in the order they are designed (registered above with design_family)
+FAMILIES = families()
+#: families whose buffered noise may be regenerated instead (dpsgd, dpcgd, toeplitz, dense and the
+#: plain tree keep no buffers already; tree:ls is not switched: its memoryless form would
+#: materialize C^{-1}, n x (2n - 1) numbers, and the plain tree is its buffer-free sibling)
+REGENERABLE_FAMILIES = regenerable_families()
 
 
 def _batching_spec(spec: str, setup: PlanSetup) -> str:

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CorrnoiseError, check_int, check_real
-from .constants import FAMILIES, PIPELINES
+from .constants import PIPELINES
+from .families import families
 
 __all__ = ["PlanSetup", "make_setup"]
 
@@ -136,10 +137,10 @@ def _check_only(only) -> tuple[str, ...] | None:
         only = [s for s in only.split(",")]
     names = tuple(str(s).strip().lower() for s in only if str(s).strip())
     if not names:
-        raise CorrnoiseError("only", f"names no family; choose from {', '.join(FAMILIES)}")
+        raise CorrnoiseError("only", f"names no family; choose from {', '.join(families())}")
     for name in names:
-        if name not in FAMILIES:
-            raise CorrnoiseError("only", f"unknown family {name!r}; choose from {', '.join(FAMILIES)}")
+        if name not in families():
+            raise CorrnoiseError("only", f"unknown family {name!r}; choose from {', '.join(families())}")
     return names
 
 
