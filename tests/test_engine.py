@@ -33,9 +33,9 @@ def _float64():
 def rule(request, monkeypatch):
     """Run each case with the per-layer rule, and with every parameter forced to either path."""
     if request.param == "ghost":
-        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: True)
+        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: True)
     elif request.param == "materialize":
-        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: False)
+        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: False)
     return request.param
 
 
