@@ -33,9 +33,9 @@ def _float64():
 def rule(request, monkeypatch):
     """Run each case with the per-layer rule, and with every parameter forced to either path."""
     if request.param == "ghost":
-        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: True)
+        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: True)
     elif request.param == "materialize":
-        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q: False)
+        monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: False)
     return request.param
 
 
@@ -723,3 +723,25 @@ def test_indices_not_shared_by_the_batch_are_refused():
                                              r"batch-first\)$"):
         eng.clipped_sum(4)
     eng.detach()
+
+
+def test_materializing_stops_at_the_memory_budget_and_stays_exact(monkeypatch):
+    """Parameters the rule would materialize take the ghost norm once the held per-example gradients
+    would pass the budget (here: the captured bytes alone, no floor); both kinds in one sum, exact."""
+    from corrnoise.torch.clipping import formulas
+
+    monkeypatch.setattr(engine_mod, "MATERIALIZE_FLOOR_BYTES", 0)
+    calls = {"ghost": 0, "materialize": 0}
+    for name in ("ghost_norm_sq", "materialize"):
+        real = getattr(formulas, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls["ghost" if _name == "ghost_norm_sq" else "materialize"] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(engine_mod, name, counted)
+    # T = 16 rows, two 64 x 64 weights: the rule says materialize both (16^2 * 128 > 2 * 64^2); the
+    # budget (inputs and grad outputs, 2 * B T 128 numbers, + biases) holds one B 64^2, not two
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    assert not formulas.use_ghost(16, 64, 64)
+    check_engine(model, torch.randn(3, 16, 64))
+    assert calls["ghost"] >= 1 and calls["materialize"] >= 1, calls

@@ -13,7 +13,9 @@ LoRA Embedding, uses its ParameterDicts' parameters in its own forward:
 user's ``loss.backward()``. ``clipped_sum`` then turns each call into per-parameter
 contributions (:mod:`.layers`), computes each example's squared norm per parameter by ghost
 norm or, where cheaper, by materializing that parameter alone (:func:`.formulas.use_ghost`:
-ghost iff 2 T^2 < P Q), adds them over all parameters, clips with c_i = min(1, C / ||g_i||)
+for dense factors ghost iff T^2 (P + Q) <= 2 P Q, the multiply-add count with the book-keeping
+included; materialized gradients are held for the clipped sum within a memory budget,
+:func:`_materialize_budget`), adds them over all parameters, clips with c_i = min(1, C / ||g_i||)
 (0 for a NaN/inf gradient) and forms sum_i c_i g_i by book-keeping from the same captured
 tensors.
 
@@ -367,13 +369,19 @@ class ClippingEngine:
         sq = torch.zeros(b, dtype=acc, device=dev)
         ghost: list[bool] = []
         mats: list[torch.Tensor | None] = []
+        budget, held = _materialize_budget(factors, dense), 0
         for i, p in enumerate(self.parameters):
             fs, ds = factors[i], dense[i]
             g_ok = bool(fs) and not ds and len({c[1].shape[1] for c in fs}) == 1
             if g_ok:
                 u0, v0 = fs[0]
                 t_total = sum(c[1].shape[2] for c in fs)
-                g_ok = use_ghost(t_total, u0.shape[-1], v0.shape[-1])
+                one_hot = any(isinstance(side, OneHot) for c in fs for side in c)
+                g_ok = use_ghost(t_total, u0.shape[-1], v0.shape[-1], one_hot)
+                if not g_ok:  # materialized gradients are held until the clipped sum: within the budget
+                    size = b * p.numel() * torch.empty((), dtype=acc).element_size()
+                    g_ok = held + size > budget
+                    held += 0 if g_ok else size
             ghost.append(g_ok)
             if g_ok:
                 sq = sq + ghost_norm_sq(fs)
@@ -382,7 +390,7 @@ class ClippingEngine:
                 full = materialize(fs, p.shape) if fs else None
                 for d in ds:
                     full = d if full is None else full + d
-                sq = sq + full.reshape(b, -1).pow(2).sum(dim=1)
+                sq = sq + torch.linalg.vector_norm(full.reshape(b, -1), dim=1).square()  # fused, no (B, P) temporary
                 mats.append(full)
             else:
                 mats.append(None)
@@ -411,7 +419,7 @@ class ClippingEngine:
                 unclipped = bookkeeping_sum(fs, torch.ones_like(w_raw), p.shape) if check and all_finite else None
             elif mats[i] is not None:
                 full = mats[i] if all_finite else _zero_rows(mats[i], finite)
-                s = torch.einsum("b,b...->...", w_raw, full)
+                s = torch.mv(full.reshape(b, -1).t(), w_raw.to(full.dtype)).reshape(full.shape[1:])
                 unclipped = full.sum(dim=0) if check and all_finite else None
             else:
                 s, unclipped = torch.zeros(p.shape, dtype=out_dtype, device=dev), None
@@ -436,6 +444,24 @@ def _in_backward() -> bool:
     such a forward is then refused as a second batch.)"""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+#: the floor of the memory budget for materialized per-example gradients (bytes)
+MATERIALIZE_FLOOR_BYTES = 64 * 2 ** 20
+
+
+def _materialize_budget(factors, dense) -> int:
+    """Bytes of per-example gradients ``clipped_sum`` may hold at once where materializing is cheaper
+    than the ghost norm (:func:`.formulas.use_ghost`): as much as the captured inputs and grad
+    outputs it already holds (so clipping at most doubles the engine's memory), at least
+    :data:`MATERIALIZE_FLOOR_BYTES`. Past it, parameters take the ghost norm (a memory bound)."""
+    seen, total = set(), 0
+    for fs, ds in zip(factors, dense):
+        for t in [side for c in fs for side in c] + list(ds):
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return max(total, MATERIALIZE_FLOOR_BYTES)
 
 
 def _first_dim(args, kwargs) -> int | None:

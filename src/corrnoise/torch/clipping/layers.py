@@ -306,9 +306,9 @@ def layernorm_handler(module, args, kwargs, grad_outs, dtype):
     _batched(x, module)
     k = len(module.normalized_shape)
     dims = tuple(range(x.dim() - k, x.dim()))
-    mean = x.mean(dim=dims, keepdim=True)
-    var = x.var(dim=dims, keepdim=True, unbiased=False)
-    x_hat = (x - mean) * torch.rsqrt(var + module.eps)
+    # the fused kernel without affine is x_hat itself (one pass; mean/var/sub/mul separately cost
+    # ~4x more on CPU, aten::var alone ~2 ms on (32, 64, 128)); same statistics, in ``dtype``
+    x_hat = F.layer_norm(x, x.shape[x.dim() - k:], None, None, module.eps)
     return _affine_grads(module, g, x_hat, dims)
 
 
@@ -328,11 +328,7 @@ def groupnorm_handler(module, args, kwargs, grad_outs, dtype):
     """nn.GroupNorm on (B, C, *): x_hat normalized per (example, group); affine per channel."""
     x, g = _input(args, kwargs, module).to(dtype), grad_outs[0].to(dtype)
     _batched(x, module)
-    b, c = x.shape[:2]
-    xg = x.reshape(b, module.num_groups, -1)
-    mean = xg.mean(dim=2, keepdim=True)
-    var = xg.var(dim=2, keepdim=True, unbiased=False)
-    x_hat = ((xg - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)  # fused, as in layernorm_handler
     return _affine_grads(module, g, x_hat, (1,))
 
 
