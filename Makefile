@@ -19,6 +19,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
+$(VENV)/.installed-transformers: $(VENV)/.installed
+	$(PIP) install -q -e '.[transformers]'
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
@@ -80,6 +84,14 @@ $(FORTUNES_DIR)/people:
 
 $(GCIDE_FILE):
 	$(call unpack_deb,dict-gcide,gcide.dict.dz in \$$CORRNOISE_DATA,$(GCIDE_FILE))
+
+# Issue #27 item 7: public pretraining on GCIDE, private fine-tuning on fortunes (10 categories),
+# non-private vs DP-SGD (Poisson, cyclic) vs the planner's pick, full and LoRA, epsilon 1, 3, 8;
+# appends to benchmarks/text_runs.jsonl, then the table (stdout) and benchmarks/text.png.
+# ~25 min on the 2-core machine (BENCH_TEXT_ARGS="--seeds 3" for the issue's three seeds, ~3x).
+BENCH_TEXT_ARGS ?=
+bench-text: $(VENV)/.installed-transformers data
+	PYTHONPATH=src nice -n 10 $(PY) benchmarks/bench_text.py $(BENCH_TEXT_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
