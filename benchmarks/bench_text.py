@@ -352,15 +352,26 @@ def summarize(records: list[dict]) -> dict:
     for key, rs in groups.items():
         accs = [r["test_accuracy"] for r in rs]
         ratios = [r["x_plain_step"] for r in rs if "x_plain_step" in r]
-        mechs = sorted({f"{r.get('mechanism', '-')} / {r.get('batching', '-')}" for r in rs})
+        mechs = sorted({f"{r.get('mechanism', '-')} / {short_batching(r.get('batching'))}" if "mechanism" in r else "-"
+                        for r in rs})
         out[key] = (statistics.mean(accs), min(accs), max(accs), len(rs),
                     statistics.mean(ratios) if ratios else float("nan"), mechs)
     return out
 
 
+def short_batching(description: str) -> str:
+    """``accounting spec`` of a sampler description (``poisson:0.0187``, ``none``, ...), rates rounded."""
+    import re
+
+    m = re.search(r"'accounting': '([^']*)'", description or "")
+    if not m:
+        return description or "-"
+    return re.sub(r"\d\.\d{4,}", lambda x: f"{float(x.group()):.3g}", m.group(1))
+
+
 def table(records: list[dict]) -> str:
     """The markdown table: accuracy (mean, range over seeds) and step-time ratio per run kind."""
-    lines = ["| pipeline | variant | epsilon | test acc. (mean) | range | seeds | x plain step | mechanism / batching |",
+    lines = ["| pipeline | variant | epsilon | test acc. (mean) | range | seeds | x plain step | mechanism / accounting |",
              "|---|---|---:|---:|---|---:|---:|---|"]
     order = {v: i for i, v in enumerate(VARIANTS)}
     for key in sorted(summarize(records), key=lambda k: (k[0], k[2] or 0, order.get(k[1], 9))):
