@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--pipelines", default="full,lora")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--runs", default=None,
+                   help="instead of variants x epsilons: a list VARIANT[:EPSILON],... (nonprivate first, for x plain)")
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=128)
@@ -382,6 +384,24 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def step_table(records: list[dict]) -> str:
+    """Step time per pipeline and variant (all epsilons and seeds): median ms per step, and the
+    mean over runs of the ratios to the plain step of the same process (per step, per example)."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["pipeline"], r["variant"]), []).append(r)
+    lines = ["| pipeline | variant | runs | ms/step (median of runs) | x plain per step | x plain per example |",
+             "|---|---|---:|---:|---:|---:|"]
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    for (pipe, variant), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
+        ms = statistics.median(r["ms_step_median"] for r in rs)
+        xs = [r["x_plain_step"] for r in rs if "x_plain_step" in r]
+        xe = [r["x_plain_per_example"] for r in rs if "x_plain_per_example" in r]
+        fmt = (lambda v: f"{statistics.mean(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
+        lines.append(f"| {pipe} | {variant} | {len(rs)} | {ms:.0f} | {fmt(xs)} | {fmt(xe)} |")
+    return "\n".join(lines)
+
+
 def plot(records: list[dict], path: str) -> None:
     """Accuracy vs epsilon per variant, one panel per pipeline; non-private as a dashed line."""
     import matplotlib
@@ -433,11 +453,26 @@ def prepare(args) -> dict:
             "collate": PadCollate(tok.token_to_id("<pad>")), "info": info}
 
 
+def run_list(args) -> list[tuple[str, float | None]]:
+    """(variant, epsilon) of each run per pipeline and seed: ``--runs``, else variants x epsilons."""
+    if args.runs:
+        pairs = [item.split(":") for item in args.runs.split(",")]
+        todo = [(p[0], float(p[1]) if len(p) > 1 else None) for p in pairs]
+    else:
+        epsilons = [float(e) for e in args.epsilons.split(",")]
+        todo = [(v, eps) for v in args.variants.split(",") for eps in ([None] if v == "nonprivate" else epsilons)]
+    for variant, eps in todo:
+        if variant not in VARIANTS or (variant != "nonprivate") == (eps is None):
+            raise SystemExit(f"bench_text: bad run {variant}:{eps} (variants {', '.join(VARIANTS)}; private ones "
+                             "need an epsilon)")
+    return todo
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report:
         records = load_records(args.out)
-        print(table(records))
+        print(table(records) + "\n\n" + step_table(records))
         plot(records, args.plot)
         return
     import torch
@@ -451,23 +486,21 @@ def main(argv=None) -> None:
     setup = {"kind": "setup", "args": vars(args), "load_before": os.getloadavg(), **ctx["info"],
              "torch": torch.__version__, "threads": torch.get_num_threads()}
     print(json.dumps(setup), flush=True)
-    epsilons = [float(e) for e in args.epsilons.split(",")]
-    variants = args.variants.split(",")
+    todo = run_list(args)
     records: list[dict] = []
     with open(args.out, "a") as out:
         out.write(json.dumps(setup) + "\n")
         for seed in range(args.seeds):
             for pipeline in args.pipelines.split(","):
-                for variant in variants:
-                    for eps in ([None] if variant == "nonprivate" else epsilons):
-                        rec = run_one(variant, pipeline, eps, seed, ctx, args)
-                        rec["load"] = os.getloadavg()[0]
-                        records.append(rec)
-                        add_step_ratios(records)  # the non-private run of the pipeline comes first
-                        out.write(json.dumps(rec) + "\n")
-                        out.flush()
-                        print(json.dumps(rec), flush=True)
-    print(table(load_records(args.out)))
+                for variant, eps in todo:
+                    rec = run_one(variant, pipeline, eps, seed, ctx, args)
+                    rec["load"] = os.getloadavg()[0]
+                    records.append(rec)
+                    add_step_ratios(records)  # the non-private run of the pipeline comes first
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    print(json.dumps(rec), flush=True)
+    print(table(load_records(args.out)) + "\n\n" + step_table(load_records(args.out)))
     plot(load_records(args.out), args.plot)
 
 
