@@ -88,7 +88,8 @@ $(GCIDE_FILE):
 # Issue #27 item 7: public pretraining on GCIDE, private fine-tuning on fortunes (10 categories),
 # non-private vs DP-SGD (Poisson, cyclic) vs the planner's pick, full and LoRA, epsilon 1, 3, 8;
 # appends to benchmarks/text_runs.jsonl, then the table (stdout) and benchmarks/text.png.
-# ~25 min on the 2-core machine (BENCH_TEXT_ARGS="--seeds 3" for the issue's three seeds, ~3x).
+# ~25 min on the 2-core machine at load 2, 42 min when others' jobs raised the load to 8-10
+# (BENCH_TEXT_ARGS="--seeds 3" for the issue's three seeds, ~3x; "--runs ..." for a subset).
 BENCH_TEXT_ARGS ?=
 bench-text: $(VENV)/.installed-transformers data
 	PYTHONPATH=src nice -n 10 $(PY) benchmarks/bench_text.py $(BENCH_TEXT_ARGS)
