@@ -14,6 +14,10 @@ fashion-mnist    local IDX files (``make data``, see          pixels / 255, then
                                                               (mean 0.2860, std 0.3530)
 ===============  ===========================================  ==================================
 
+Text (:mod:`corrnoise.datasets.text`, ``make data``): :func:`fortunes` (fortune-mod's quotations
+by category, Debian package ``fortunes``) and :func:`gcide_text` (the GCIDE dictionary, Debian
+package ``dict-gcide``), read from local files as strings; tokenizing is the caller's.
+
 Fashion-MNIST standardization ("inputs standardized" in Papernot et al., 2021) uses one global
 mean and one global std, not per-pixel statistics: border pixels are almost always 0, and
 per-pixel stds near 0 would blow rare values up. The two scalars are the dataset's widely
@@ -34,10 +38,11 @@ from .digits import digits
 from .fashion import fashion_mnist, find_fashion_mnist, search_dirs
 from .idx import read_idx
 from .mnist1d import mnist1d
+from .text import fortunes, gcide_text, parse_fortunes, split_indices
 
 __all__ = [
     "DATASETS", "Dataset", "DatasetSpec", "digits", "fashion_mnist", "find_fashion_mnist", "load", "mnist1d",
-    "read_idx", "search_dirs", "tensor_dataset",
+    "read_idx", "search_dirs", "tensor_dataset", "fortunes", "gcide_text", "parse_fortunes", "split_indices",
 ]
 
 
