@@ -67,20 +67,13 @@ def _hide_system_data(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
 
 
-def test_missing_fortunes_is_one_line_that_says_make_data(tmp_path, monkeypatch):
+@pytest.mark.parametrize("loader, param", [("fortunes", "fortunes"), ("gcide_text", "gcide")])
+def test_a_missing_text_dataset_is_one_line_that_says_make_data(tmp_path, monkeypatch, loader, param):
     _hide_system_data(monkeypatch, tmp_path)
     with pytest.raises(CorrnoiseError) as err:
-        text.fortunes()
+        getattr(text, loader)()
     msg = str(err.value)
-    assert "\n" not in msg and "make data" in msg and msg.startswith("fortunes:")
-
-
-def test_missing_gcide_is_one_line_that_says_make_data(tmp_path, monkeypatch):
-    _hide_system_data(monkeypatch, tmp_path)
-    with pytest.raises(CorrnoiseError) as err:
-        text.gcide_text()
-    msg = str(err.value)
-    assert "\n" not in msg and "make data" in msg and msg.startswith("gcide:")
+    assert "\n" not in msg and "make data" in msg and msg.startswith(f"{param}:")
 
 
 def test_gcide_text_drops_header_and_source_tags(tmp_path):
