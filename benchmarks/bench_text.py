@@ -54,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (each: sampler, noise, head init)")
+    p.add_argument("--seed-start", type=int, default=0, help="run seeds seed-start..seeds-1 (add seeds to a file)")
     p.add_argument("--epsilons", default="1,3,8")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--pipelines", default="full,lora")
@@ -495,7 +496,7 @@ def main(argv=None) -> None:
     records: list[dict] = []
     with open(args.out, "a") as out:
         out.write(json.dumps(setup) + "\n")
-        for seed in range(args.seeds):
+        for seed in range(args.seed_start, args.seeds):
             for pipeline in args.pipelines.split(","):
                 for variant, eps in todo:
                     rec = run_one(variant, pipeline, eps, seed, ctx, args)
