@@ -65,10 +65,12 @@ def check_engine(model, x, reduction="mean", clip=None, y=None):
         clip = float(ref_norms.median())
     ref_sums, ref_norms = clip_and_sum(grads, clip)
     eng = ClippingEngine(model, loss_reduction=reduction, max_grad_norm=clip)
-    per = _per_example_loss(model(x), y)
-    (per.mean() if reduction == "mean" else per.sum()).backward()
-    sums, norms = eng.clipped_sum(x.shape[0])
-    eng.clear()
+    for _ in range(2):  # the first step (checked against autograd) and one with weight grads out of autograd
+        model.zero_grad(set_to_none=True)
+        per = _per_example_loss(model(x), y)
+        (per.mean() if reduction == "mean" else per.sum()).backward()
+        sums, norms = eng.clipped_sum(x.shape[0])
+        eng.clear()
     eng.detach()
     _close(norms, ref_norms)
     assert len(sums) == len(ref_sums)
@@ -359,6 +361,92 @@ def test_frozen_unreached_and_outside_use():
     m(torch.randint(0, 7, (3, 2))).pow(2).mean().backward()
     with pytest.raises(CorrnoiseError, match="do not add up"):
         eng.clipped_sum(3)
+
+
+class _EmbedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.norm, self.head = nn.Embedding(9, 4), nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2)
+
+    def forward(self, ids):
+        return self.head(self.norm(torch.tanh(self.fc(self.emb(ids)))))
+
+
+def _step(model, eng, ids, y):
+    model.zero_grad(set_to_none=True)
+    _per_example_loss(model(ids), y).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    sums, norms = eng.clipped_sum(ids.shape[0])
+    eng.clear()
+    return grads, sums, norms
+
+
+def test_after_the_first_step_backward_computes_no_weight_gradient_the_engine_recomputes():
+    """Step 1 keeps autograd's gradients (the check against them); from step 2 a hooked call whose
+    input carries a gradient runs with its parameters out of autograd: no .grad for fc / norm /
+    head, the Embedding's still (its input is indices), parameters trainable again after the
+    forward, and the same clipped sums and norms as step 1 (and as the reference)."""
+    model, ids = _EmbedMLP(), torch.randint(0, 9, (5, 3))
+    y = torch.randn(5, 3, 2)
+    eng = ClippingEngine(model, max_grad_norm=0.05)
+    g1, s1, n1 = _step(model, eng, ids, y)
+    assert all(g is not None for g in g1.values())
+    g2, s2, n2 = _step(model, eng, ids, y)
+    assert [n for n, g in g2.items() if g is not None] == ["emb.weight"]
+    assert all(p.requires_grad for p in model.parameters())
+    _close(n2, n1, 1e-12)
+    for a, b in zip(s2, s1):
+        _close(a, b, 1e-12)
+    ref_sums, ref_norms = clip_and_sum(_reference(model, ids, y, None), 0.05)
+    _close(n2, ref_norms)
+    for a, b in zip(s2, ref_sums):
+        _close(a, b)
+    eng.detach()
+    # verify=True checks every step against autograd, so it keeps every weight gradient
+    eng = ClippingEngine(model, max_grad_norm=0.05, verify=True)
+    _step(model, eng, ids, y)
+    g3, _, _ = _step(model, eng, ids, y)
+    assert all(g is not None for g in g3.values())
+
+
+def test_a_forward_that_raises_gives_the_parameters_back_to_autograd():
+    model, ids = _EmbedMLP(), torch.randint(0, 9, (5, 3))
+    eng = ClippingEngine(model)
+    _step(model, eng, ids, torch.randn(5, 3, 2))
+
+    def boom(m, args):
+        raise RuntimeError("boom")
+
+    h = model.norm.register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(ids)
+    h.remove()
+    assert all(p.requires_grad for p in model.parameters())
+    eng.clear()
+    _, sums, _ = _step(model, eng, ids, torch.randn(5, 3, 2))
+    assert all(p.requires_grad for p in model.parameters()) and len(sums) == 7 and not eng._skipping
+
+
+def test_a_parameter_used_only_outside_its_layer_is_refused_on_later_steps_too():
+    class Late(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.extra = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.use_outside = False
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h + F.linear(x, self.extra.weight) if self.use_outside else h + self.extra(x)
+
+    m, x = Late(), torch.randn(4, 3)
+    eng = ClippingEngine(m)
+    m(x).pow(2).mean().backward()
+    eng.clipped_sum(4)
+    eng.clear()
+    m.use_outside = True
+    m(x).pow(2).mean().backward()
+    with pytest.raises(CorrnoiseError, match="extra.weight' got a gradient outside"):
+        eng.clipped_sum(4)
 
 
 def test_register_layer():

@@ -118,17 +118,31 @@ def _clipped_sum(grads, clip):
 
 def _engine(model, batch, losses_of, clip, seed=None, after_backward=None, **kw):
     """The engine's clipped sum and norms for the batch loss mean_b L_b (the user's one backward);
-    ``after_backward(engine)`` looks at the engine between backward and clipped_sum."""
+    ``after_backward(engine)`` looks at the engine between backward and clipped_sum.
+
+    Two steps on the same batch: the first (checked against autograd's gradient) and the second
+    (weight gradients out of autograd, ClippingEngine._skip_weight_grads) must agree; the second
+    is returned."""
     eng = ClippingEngine(model, loss_reduction="mean", max_grad_norm=clip, **kw)
     try:
-        if seed is not None:
-            torch.manual_seed(seed)
-        losses = losses_of(model, batch)
-        losses.mean().backward()
-        if after_backward is not None:
-            after_backward(eng)
-        sums, norms = eng.clipped_sum(batch["input_ids"].shape[0])
-        return sums, norms, losses.detach()
+        results = []
+        for _ in range(2):
+            if seed is not None:
+                torch.manual_seed(seed)
+            model.zero_grad(set_to_none=True)
+            losses = losses_of(model, batch)
+            losses.mean().backward()
+            if after_backward is not None:
+                after_backward(eng)
+            sums, norms = eng.clipped_sum(batch["input_ids"].shape[0])
+            eng.clear()
+            results.append((sums, norms, losses.detach()))
+        (s1, n1, _), (s2, n2, _) = results
+        torch.testing.assert_close(n2, n1, rtol=1e-12 if n1.dtype == torch.float64 else 1e-5, atol=0)
+        for a, b in zip(s2, s1):
+            torch.testing.assert_close(a, b, rtol=1e-10 if a.dtype == torch.float64 else 1e-4,
+                                       atol=1e-12 * max(1.0, float(b.abs().max())))
+        return results[1]
     finally:
         eng.detach()
 
@@ -287,7 +301,7 @@ def test_gradient_checkpointing_counts_each_activation_once(arch, reentrant):
     held = {}
     result = _engine(model, batch, losses_of, clip,
                      after_backward=lambda eng: held.update({m: len(c) for m, c in eng._calls.items()}))
-    assert len(calls) == 2  # forward, and the recomputation in backward
+    assert len(calls) == 4  # per step (two, see _engine): forward, and the recomputation in backward
     # one captured call per layer: the copy the gradient did not reach is not held (white box)
     assert set(held.values()) == {1}
     _compare(grads, result, clip, RTOL)
@@ -307,7 +321,7 @@ def test_gradient_checkpointing_with_lora_dropout(reentrant):
     model.train()
     calls = _count_calls(_a_block_linear(model))
     result = _engine(model, _lm_batch(), _lm_losses, clip, seed=3)
-    assert len(calls) == 2 and torch.equal(result[2], losses)
+    assert len(calls) == 4 and torch.equal(result[2], losses)  # two steps (see _engine), each calls it twice
     _compare(grads, result, clip, RTOL)
 
 

@@ -77,7 +77,10 @@ transposed input of equal size is not detectable). A second batch (a forward aft
 outside it) before ``clear()`` is refused. Fallback layers must be
 deterministic (no dropout inside them). Outputs of hooked layers that are views (a Linear on
 (B, T, d)) are copied once so that a later in-place op cannot detach the grad-output hook. The
-user's backward still accumulates the (unused) ``p.grad``.
+user's backward accumulates ``p.grad`` on the first step only (for the check above) and with
+``verify=True``; afterwards a hooked call whose input carries a gradient runs with its parameters
+out of autograd, so backward computes no weight gradient (an Embedding's, whose input is indices,
+still is). ``p.grad`` is then what the private optimizer writes.
 """
 
 from __future__ import annotations
@@ -185,6 +188,13 @@ class ClippingEngine:
             if own:
                 self._owners[m] = (handler, [(n, self._index[id(p)]) for n, p in own])
                 self._paths[m] = path or "<root>"
+        # after the first verified clipped sum, a hooked call whose input carries a gradient runs with
+        # its parameters out of autograd: backward computes no weight gradient the engine would
+        # recompute per example (:meth:`_skip_weight_grads`)
+        self._skippable = {m: [i for _, i in owned] for m, (handler, owned) in self._owners.items()
+                           if handler is not fallback_handler and not isinstance(m, OPAQUE_TYPES)}
+        self._depth = [0] * len(self.parameters)
+        self._skipping: list[tuple[nn.Module, list[int]]] = []
         self._calls: dict[nn.Module, list[_Call]] = {m: [] for m in self._owners}
         self._reached: set[int] = set()
         self._autograd: dict[int, torch.Tensor] = {}
@@ -198,6 +208,9 @@ class ClippingEngine:
         for m, (handler, _) in self._owners.items():
             if takes_indices(handler):
                 self._handles.append(m.register_forward_pre_hook(self._shared_indices_hook, with_kwargs=True))
+            if m in self._skippable:
+                self._handles.append(m.register_forward_pre_hook(self._skip_weight_grads, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._restore_weight_grads, always_call=True))
             self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True))
         for i, p in enumerate(self.parameters):
             self._handles.append(p.register_hook(lambda g, i=i: self._param_hook(i, g)))
@@ -208,6 +221,38 @@ class ClippingEngine:
         if self.verify or not self._verified:
             prev = self._autograd.get(i)
             self._autograd[i] = g.detach().clone() if prev is None else prev + g.detach()
+        return None
+
+    def _skip_weight_grads(self, m: nn.Module, args, kwargs):
+        """Before a hooked call: take its parameters out of autograd when its input carries a gradient.
+
+        The engine forms each example's gradient from the captured input and grad output; the
+        weight gradient the user's backward would also accumulate into ``p.grad`` (one matmul per
+        Linear) is never read after the first step, whose check against it (:meth:`clipped_sum`)
+        needs it, as does ``verify=True``: both keep autograd's. Gradients still flow to the
+        input. A call whose input carries none (an Embedding's indices, the first layer) keeps its
+        parameters: its output must carry the loss's gradient back to the engine's hook. Uses
+        nested or shared between hooked calls are counted so that the outermost restores.
+        """
+        idx = self._skippable[m]
+        if (self.verify or not self._verified or self._computing or not torch.is_grad_enabled() or _in_transform()
+                or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])):
+            idx = []
+        for i in idx:
+            if self._depth[i] == 0:
+                self.parameters[i].requires_grad_(False)
+            self._depth[i] += 1
+        self._skipping.append((m, idx))
+        return None
+
+    def _restore_weight_grads(self, m: nn.Module, args, output):
+        """After a hooked call (also when it raised): its parameters back in autograd."""
+        if self._skipping and self._skipping[-1][0] is m:
+            _, idx = self._skipping.pop()
+            for i in idx:
+                self._depth[i] -= 1
+                if self._depth[i] == 0:
+                    self.parameters[i].requires_grad_(True)
         return None
 
     def _root_pre_hook(self, m: nn.Module, args, kwargs):
@@ -436,6 +481,13 @@ class ClippingEngine:
                     "module", f"parameter(s) {', '.join(check_fail)}: captured per-example gradients do not add up to "
                     "autograd's gradient (a parameter used outside its module's forward, or a non-deterministic layer)")
         return sums, norms
+
+
+def _in_transform() -> bool:
+    """Whether a torch.func transform (grad, vjp, vmap) is running: parameters cannot leave autograd
+    inside one (``requires_grad_`` is refused there), so such a call keeps them."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _in_backward() -> bool:
