@@ -184,6 +184,8 @@ class Custom(nn.Module):
 def test_conv1d_like_and_fallback(rule, reduction):
     assert type(Conv1D(3, 4)) not in LAYER_HANDLERS
     check_engine(nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)), torch.randn(4, 6, 4), reduction)
+    # its (B, T, d) output is a view: modified in place, the hook on the view would be lost
+    check_engine(nn.Sequential(Conv1D(5, 4), nn.ReLU(inplace=True), Conv1D(3, 5)), torch.randn(4, 6, 4), reduction)
     check_engine(nn.Sequential(nn.Linear(3, 4), Custom(4)), torch.randn(5, 3), reduction)
     check_engine(nn.Sequential(nn.Linear(3, 4), Custom(4)), torch.randn(5, 2, 3), reduction)
 

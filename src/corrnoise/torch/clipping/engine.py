@@ -75,8 +75,10 @@ took ~18 ms against ~12 ms eager.
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
 transposed input of equal size is not detectable). A second batch (a forward after a backward,
 outside it) before ``clear()`` is refused. Fallback layers must be
-deterministic (no dropout inside them). Outputs of hooked layers that are views (a Linear on
-(B, T, d)) are copied once so that a later in-place op cannot detach the grad-output hook. The
+deterministic (no dropout inside them). A hook on an output that is a view would be lost if the
+view were later modified in place (``ReLU(inplace=True)`` after a Linear on (B, T, d)): a Linear's
+or Conv1D's view output is the reshape of its own (B*T, d) result, hooked there instead; other
+layers' view outputs are copied once. The
 user's backward accumulates ``p.grad`` on the first step only (for the check above) and with
 ``verify=True``; afterwards a hooked call whose input carries a gradient runs with its parameters
 out of autograd, so backward computes no weight gradient (an Embedding's, whose input is indices,
@@ -93,10 +95,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, check_int, check_real
 from .formulas import OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, use_ghost
-from .layers import (call_batch_size, expand_shared_indices, fallback_handler, handler_for, owned_parameters,
-                     takes_indices)
+from .layers import (call_batch_size, conv1d_like_handler, expand_shared_indices, fallback_handler, handler_for,
+                     linear_handler, owned_parameters, takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
+
+#: rules of layers whose output, when it is a view, is their own (B*T, d) result reshaped (torch's
+#: Linear, transformers' Conv1D): a hook on that base sees the output's gradient (ClippingEngine._forward_hook)
+_RESHAPED_OUTPUT_HANDLERS = (linear_handler, conv1d_like_handler)
 
 #: modules whose forward uses their children's parameters directly (not through the children's
 #: forward): treated as one fallback layer owning the whole subtree.
@@ -278,10 +284,19 @@ class ClippingEngine:
         if self._computing or not torch.is_grad_enabled():
             return None
         replaced = None
+        reshaped_base = None
         if isinstance(output, torch.Tensor) and output.requires_grad and output._is_view():
             # a hook on a view is lost if the view is later modified in place (ReLU(inplace=True)
-            # after a Linear on (B, T, d)); a copy is not a view
-            output = replaced = output.clone()
+            # after a Linear on (B, T, d)); a hook on its base is not. The base stands for the
+            # output where it is only the layer's own (B*T, d) result reshaped: torch's Linear and
+            # transformers' Conv1D. Elsewhere the output is copied (a copy is not a view).
+            base = output._base
+            if (self._owners[m][0] in _RESHAPED_OUTPUT_HANDLERS and base is not None and base.requires_grad
+                    and base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous()
+                    and output.storage_offset() == base.storage_offset()):
+                reshaped_base = base
+            else:
+                output = replaced = output.clone()
         flat, spec = tree_flatten(output)
         outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if not any(o.requires_grad for o in outs):
@@ -304,6 +319,10 @@ class ClippingEngine:
             self._note_recomputed(m, call)
         if self._first_batch is None:
             self._first_batch = _first_dim(args, kwargs)
+        if reshaped_base is not None:
+            shape = outs[0].shape
+            reshaped_base.register_hook(lambda g, call=call, shape=shape: self._grad_hook(call, 0, g.view(shape)))
+            return None
         for k, o in enumerate(outs):
             if o.requires_grad:
                 o.register_hook(lambda g, call=call, k=k: self._grad_hook(call, k, g))
