@@ -242,7 +242,7 @@ class ClippingEngine:
         """
         idx = self._skippable[m]
         if (self.verify or not self._verified or self._computing or not torch.is_grad_enabled() or _in_transform()
-                or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])):
+                or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(args, kwargs))):
             idx = []
         for i in idx:
             if self._depth[i] == 0:
@@ -297,7 +297,10 @@ class ClippingEngine:
                 reshaped_base = base
             else:
                 output = replaced = output.clone()
-        flat, spec = tree_flatten(output)
+        if isinstance(output, torch.Tensor):  # the common case, without pytree's cost
+            flat, spec = [output], None
+        else:
+            flat, spec = tree_flatten(output)
         outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if not any(o.requires_grad for o in outs):
             return None
@@ -309,13 +312,14 @@ class ClippingEngine:
                     for o in flat]
             output = replaced = tree_unflatten(flat, spec)
             outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        if self._backward_seen and not _in_backward():
+        in_backward = _in_backward()
+        if self._backward_seen and not in_backward:
             raise CorrnoiseError(
                 "engine", "forward pass after a backward pass without clipped_sum()/clear() (one batch per clipped sum)")
-        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        leaves = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         call = _Call(_detach_tree(tuple(args)), _detach_tree(dict(kwargs)), [(t, t._version) for t in leaves], len(outs))
         self._calls[m].append(call)
-        if _in_backward():
+        if in_backward:
             self._note_recomputed(m, call)
         if self._first_batch is None:
             self._first_batch = _first_dim(args, kwargs)
@@ -535,9 +539,16 @@ def _materialize_budget(factors, dense) -> int:
     return max(total, MATERIALIZE_FLOOR_BYTES)
 
 
+def _leaves(args, kwargs) -> list:
+    """A call's arguments flattened (pytree order); positional tensors alone skip pytree's cost."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return list(args)
+    return tree_flatten((args, kwargs))[0]
+
+
 def _first_dim(args, kwargs) -> int | None:
     """dim 0 of the first tensor with a dimension among a call's arguments (None if there is none)."""
-    for v in tree_flatten((args, kwargs))[0]:
+    for v in _leaves(args, kwargs):
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return int(v.shape[0])
     return None
