@@ -453,6 +453,20 @@ def test_selection_delta_bounds_the_worst_choice_among_verified_candidates():
                     assert divergence > delta, (k, bad)
 
 
+def test_a_plan_file_accepts_only_the_deltas_its_guarantee_can_stand_on():
+    """standing_deltas: delta itself (one verification) and the planner's delta_v for K candidates
+    (what _verified_in_cache reads from the cache); delta_v is the one the planner verifies at."""
+    from corrnoise.accounting.montecarlo import selection_delta, standing_deltas
+    from corrnoise.planner.constants import MAX_FINALIZE
+    from corrnoise.planner.core import _verified_delta
+
+    delta = 1e-5
+    assert standing_deltas(delta, MAX_FINALIZE) == (delta, selection_delta(delta, MAX_FINALIZE))
+    assert standing_deltas(delta, MAX_FINALIZE)[1] == _verified_delta(delta) < delta
+    with pytest.raises(CorrnoiseError, match="delta"):
+        standing_deltas(1.5, MAX_FINALIZE)
+
+
 def test_a_designable_family_is_one_registration(monkeypatch):
     """docs/design.md "Adding a mechanism": the planner learns a family from its design_family
     registration alone (its name for --only, its builds); nothing else lists it."""

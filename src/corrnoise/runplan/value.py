@@ -277,10 +277,10 @@ def _verified_in_cache(guarantee: PrivacyResult, event: MechanismEvent) -> bool:
     """Whether the cache holds a verified guarantee for this event and epsilon, at no more noise
     than the plan's, verified at the plan's delta or at the planner's delta_v for it."""
     from ..accounting.cache import cached_guarantee
-    from ..accounting.montecarlo import selection_delta
+    from ..accounting.montecarlo import standing_deltas
     from ..planner.constants import FINAL_MC_SAMPLES, MAX_FINALIZE
 
-    for verified_at in (guarantee.delta, selection_delta(guarantee.delta, MAX_FINALIZE)):
+    for verified_at in standing_deltas(guarantee.delta, MAX_FINALIZE):
         for options in ({"samples": FINAL_MC_SAMPLES}, {}):  # the planner's calibration, make_private's
             hit = cached_guarantee(event.without_noise(), epsilon=guarantee.epsilon, delta=verified_at,
                                    method="mc", **options)

@@ -65,7 +65,7 @@ from .inputs import (_CHUNK_ELEMENTS, _PILOT_SAMPLES, _STREAM_CALIBRATE, _STREAM
                      verification_seed)
 from .pair import DominatingPair, balls_in_bins_modes, dominating_pair
 from .release import (MonteCarloResult, Verification, account_balls_in_bins, delta_candidate, failure_probability,
-                      release_verified, selection_delta, verification_calibration, verification_samples,
+                      release_verified, selection_delta, standing_deltas, verification_calibration, verification_samples,
                       verify_privacy)
 from .sampling import (ReducedPair, _chunks, _exp_rows, _hockey, _Losses, _lse_bins, _lse_shift, _map_chunks,
                        _Offsets, reduce_balls_in_bins)
@@ -87,6 +87,7 @@ __all__ = [
     "verify_privacy",
     "failure_probability",
     "selection_delta",
+    "standing_deltas",
     "verification_samples",
     "account_balls_in_bins",
     "DEFAULT_SAMPLES",

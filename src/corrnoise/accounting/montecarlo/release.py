@@ -60,6 +60,15 @@ def selection_delta(delta: float, verifications: int,
     return delta / (1.0 + verifications * failure_fraction)
 
 
+def standing_deltas(delta: float, verifications: int) -> tuple[float, float]:
+    """The deltas at which a passed verification stands for an (epsilon, ``delta``) guarantee of the
+    same mechanism, epsilon and no less noise: ``delta`` itself (one Estimate-Verify-Release run,
+    seed 000 Thm 2.1), and delta_v = :func:`selection_delta` (``delta``, K) for a mechanism chosen
+    among up to K = ``verifications`` verified ones (the planner's release). Anything else is
+    verified again."""
+    return (_check_delta(delta), selection_delta(delta, verifications))
+
+
 #: Most verification samples a run may ask for (at delta 1e-6 it needs 1.1e9; 1e-7 would need 1.3e10,
 #: hours on a CPU): past it, a verified guarantee is refused before any sampling instead of running on.
 MAX_VERIFY_SAMPLES = 1 << 31
