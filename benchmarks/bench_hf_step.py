@@ -37,6 +37,10 @@ SIGMA, CLIP, VOCAB = 1.0, 1.0, 500
 METHODS = ["plain", "private", "lora_plain", "lora_private"]
 
 
+#: model size (``--width``, ``--layers``): the defaults are the configs of the tables in RESULTS.md
+SIZE = {"width": 128, "layers": 2}
+
+
 def make_model(name: str, lora: bool):
     import transformers
     from transformers.utils import logging as hf_logging
@@ -44,11 +48,14 @@ def make_model(name: str, lora: bool):
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=VOCAB, n_positions=128,
+        w, n = SIZE["width"], SIZE["layers"]
+        cfg = transformers.GPT2Config(n_layer=n, n_embd=w, n_head=max(2, w // 64), vocab_size=VOCAB, n_positions=128,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         model = transformers.GPT2LMHeadModel(cfg)
     elif name == "bert":
-        cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=256,
+        w, n = SIZE["width"], SIZE["layers"]
+        cfg = transformers.BertConfig(num_hidden_layers=n, hidden_size=w, num_attention_heads=max(2, w // 64),
+                                      intermediate_size=2 * w,
                                       vocab_size=VOCAB, max_position_embeddings=128, hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, num_labels=3)
         model = transformers.BertForSequenceClassification(cfg)
@@ -124,7 +131,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--width", type=int, default=SIZE["width"], help="hidden size (heads: width // 64, at least 2)")
+    ap.add_argument("--layers", type=int, default=SIZE["layers"])
     args = ap.parse_args()
+    SIZE.update(width=args.width, layers=args.layers)
     torch.set_num_threads(args.threads)
     print("uptime:", os.popen("uptime").read().strip(), f"| torch threads: {args.threads}", flush=True)
     rows = []
