@@ -427,6 +427,13 @@ def optimizer_of(r: dict) -> str:
     return r.get("optimizer", "sgd")
 
 
+def optimizer_label(r: dict) -> str:
+    """The optimizer and, for NoiseAwareAdamW with a floor other than its default, the floor."""
+    name = optimizer_of(r)
+    floor = r.get("optimizer_settings", {}).get("variance_floor")
+    return f"{name} (floor {floor:g})" if floor is not None and floor != 1e-10 else name
+
+
 def is_default(r: dict) -> bool:
     """A row of the default table: SGD at the pipeline's default learning rate (private), a tenth
     of it (non-private)."""
@@ -502,11 +509,12 @@ def tuning_table(records: list[dict]) -> str:
     and epsilon (mean and range over seeds, the seeds)."""
     groups: dict = {}
     for r in records:
-        groups.setdefault((r["pipeline"], optimizer_of(r), r["lr"], r["variant"], r["epsilon_target"]), []).append(r)
+        groups.setdefault((r["pipeline"], optimizer_label(r), r["lr"], r["variant"], r["epsilon_target"]), []).append(r)
     order = {v: i for i, v in enumerate(VARIANTS)}
     lines = ["| pipeline | optimizer | lr | variant | epsilon | test acc. (mean) | range | seeds | mechanism |",
              "|---|---|---:|---|---:|---:|---|---|---|"]
-    for key in sorted(groups, key=lambda k: (k[0], OPT_ORDER.get(k[1], 9), order.get(k[3], 9), k[4] or 0, k[2])):
+    for key in sorted(groups, key=lambda k: (k[0], OPT_ORDER.get(k[1].split()[0], 9), k[1], order.get(k[3], 9),
+                                             k[4] or 0, k[2])):
         rs = groups[key]
         accs = [r["test_accuracy"] for r in rs]
         seeds = ",".join(str(s) for s in sorted(r["seed"] for r in rs))
@@ -517,26 +525,32 @@ def tuning_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def paired_table(records: list[dict], a: str = "adamw", b: str = "noise-aware-adamw") -> str:
-    """``b`` minus ``a`` per (pipeline, variant, epsilon, lr), over the seeds both ran: mean
-    accuracies and the mean and range of the per-seed differences (points)."""
-    runs: dict = {}
+def paired_table(records: list[dict]) -> str:
+    """NoiseAwareAdamW minus AdamW per (pipeline, variant, epsilon, lr, NoiseAwareAdamW's floor),
+    over the seeds both ran: mean accuracies and the mean and range of the per-seed differences
+    (points)."""
+    adam: dict = {}
+    aware: dict = {}
     for r in records:
-        if optimizer_of(r) in (a, b):
-            runs.setdefault((r["pipeline"], r["variant"], r["epsilon_target"], r["lr"]), {}).setdefault(
-                optimizer_of(r), {})[r["seed"]] = r["test_accuracy"]
+        key = (r["pipeline"], r["variant"], r["epsilon_target"], r["lr"])
+        if optimizer_of(r) == "adamw":
+            adam.setdefault(key, {})[r["seed"]] = r["test_accuracy"]
+        elif optimizer_of(r) == "noise-aware-adamw":
+            floor = r.get("optimizer_settings", {}).get("variance_floor", 1e-10)
+            aware.setdefault(key + (floor,), {})[r["seed"]] = r["test_accuracy"]
     order = {v: i for i, v in enumerate(VARIANTS)}
-    lines = [f"| pipeline | variant | epsilon | lr | seeds | {a} | {b} | difference (points) | range |",
-             "|---|---|---:|---:|---|---:|---:|---:|---|"]
-    for key in sorted(runs, key=lambda k: (k[0], order.get(k[1], 9), k[2] or 0, k[3])):
-        seeds = sorted(set(runs[key].get(a, {})) & set(runs[key].get(b, {})))
+    lines = ["| pipeline | variant | epsilon | lr | floor | seeds | AdamW | NoiseAwareAdamW | difference (points) | range |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for key in sorted(aware, key=lambda k: (k[0], order.get(k[1], 9), k[2] or 0, k[3], k[4])):
+        base = adam.get(key[:4], {})
+        seeds = sorted(set(base) & set(aware[key]))
         if not seeds:
             continue
-        xa = [runs[key][a][s] for s in seeds]
-        xb = [runs[key][b][s] for s in seeds]
+        xa = [base[s] for s in seeds]
+        xb = [aware[key][s] for s in seeds]
         diff = [100 * (y - x) for x, y in zip(xa, xb)]
         eps = "-" if key[2] is None else f"{key[2]:g}"
-        lines.append(f"| {key[0]} | {key[1]} | {eps} | {key[3]:g} | {','.join(map(str, seeds))} | "
+        lines.append(f"| {key[0]} | {key[1]} | {eps} | {key[3]:g} | {key[4]:g} | {','.join(map(str, seeds))} | "
                      f"{100 * statistics.mean(xa):.1f}% | {100 * statistics.mean(xb):.1f}% | "
                      f"{statistics.mean(diff):+.1f} | {min(diff):+.1f} to {max(diff):+.1f} |")
     return "\n".join(lines)
