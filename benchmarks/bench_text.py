@@ -4,6 +4,8 @@
     PYTHONPATH=src python benchmarks/bench_text.py [--seeds 3] [--epsilons 1,3,8] [--pipelines full,lora]
     PYTHONPATH=src python benchmarks/bench_text.py --report     # table + plot from the JSONL only
     PYTHONPATH=src python benchmarks/bench_text.py --pipelines full --runs nonprivate,auto:1,dpsgd-cyclic:8
+    PYTHONPATH=src python benchmarks/bench_text.py --pipelines full --optimizer noise-aware-adamw --lr 3e-3 \
+        --runs dpsgd-poisson:3,auto:3
 
 1. Public side (not private): a byte-level BPE tokenizer (``tokenizers``) trained here on GCIDE's
    text (Debian ``dict-gcide``: Webster's 1913 dictionary; every ``--gcide-stride``-th entry up to
@@ -17,6 +19,12 @@
    averaged over the batch (``loss_reduction="mean"``). SGD, momentum 0.9, the same learning rate
    for every private variant of a pipeline (``--lr-full`` / ``--lr-lora``; the non-private run
    ``--nonprivate-lr-scale`` times it), clip norm ``--clip``. Not tuned per variant or epsilon.
+   ``--optimizer adamw`` / ``noise-aware-adamw`` (torch's AdamW / corrnoise's NoiseAwareAdamW,
+   the released noise's variance taken out of the second moment; betas (0.9, 0.999), weight decay
+   ``--weight-decay``, NoiseAwareAdamW's floor ``--variance-floor``) replaces SGD, and ``--lr``
+   replaces the pipeline's learning rate; every JSONL row records ``optimizer`` (rows without it
+   ran SGD) and ``lr``. The default table (``--report``) keeps SGD at the default rates; the other
+   rows get their own tables (per optimizer and rate, and AdamW vs NoiseAwareAdamW paired by seed).
 3. Variants, each at epsilon in ``--epsilons`` (delta ``--delta``), ``--epochs`` epochs, expected
    batch ``--batch``: ``nonprivate`` (a shuffled DataLoader, no noise, the batch gradient's
    norm clipped to ``--clip``: SGD at these rates diverged without it), ``dpsgd-poisson``
@@ -46,6 +54,10 @@ HERE = Path(__file__).resolve().parent
 VARIANTS = ("nonprivate", "dpsgd-poisson", "dpsgd-cyclic", "auto")
 PRIVATE = {"dpsgd-poisson": ("dpsgd", "poisson"), "dpsgd-cyclic": ("dpsgd", "cyclic"), "auto": ("auto", "auto")}
 SPECIALS = ["<|endoftext|>", "<pad>"]
+OPTIMIZERS = ("sgd", "adamw", "noise-aware-adamw")
+#: the learning rates of the default table (SGD): private, and non-private (a tenth)
+DEFAULT_LR = {"full": 0.5, "lora": 1.0}
+DEFAULT_NONPRIVATE_SCALE = 0.1
 #: test accuracy of always answering the largest category (people: 250 of the 1,710 test quotations)
 MAJORITY = 250 / 1710
 
@@ -66,6 +78,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--lr-full", type=float, default=0.5)
     p.add_argument("--lr-lora", type=float, default=1.0)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="sgd (momentum 0.9), adamw (torch.optim.AdamW) or noise-aware-adamw (corrnoise's NoiseAwareAdamW)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the learning rate of every pipeline (instead of --lr-full / --lr-lora; non-private: times "
+                        "--nonprivate-lr-scale)")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW / NoiseAwareAdamW weight decay")
+    p.add_argument("--variance-floor", type=float, default=1e-10, help="NoiseAwareAdamW's variance_floor")
     p.add_argument("--nonprivate-lr-scale", type=float, default=0.1,
                    help="the non-private run's learning rate is the pipeline's times this (at 1x it diverged)")
     p.add_argument("--clip", type=float, default=1.0)
@@ -297,6 +316,58 @@ def plan_fields(opt) -> dict:
             "epsilon_spent": spent.epsilon, "accounting": spent.method}
 
 
+def make_optimizer(name: str, params, lr: float, args):
+    """(optimizer, settings recorded in the JSONL) for ``--optimizer``."""
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9), {"momentum": 0.9}
+    settings = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": args.weight_decay}
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay), settings
+    if name == "noise-aware-adamw":
+        from corrnoise.torch import NoiseAwareAdamW
+
+        settings["variance_floor"] = args.variance_floor
+        return NoiseAwareAdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay,
+                               variance_floor=args.variance_floor), settings
+    raise SystemExit(f"bench_text: unknown optimizer {name!r} ({', '.join(OPTIMIZERS)})")
+
+
+def adam_fields(opt, steps: int) -> dict:
+    """For an Adam run after training: the median over coordinates of Adam's bias-corrected second
+    moment v_hat, the variance of the released noise at the last step (private runs), and for
+    NoiseAwareAdamW its averaged noise variance phi_hat and the fraction of coordinates whose
+    corrected second moment sits at the floor (v_hat <= phi_hat: all noise as far as it can tell)."""
+    import torch
+
+    inner = getattr(opt, "original", opt)
+    if not isinstance(inner, torch.optim.AdamW) and not hasattr(inner, "observe_noise_variance"):
+        return {}
+    v_hat, floored, phi_hat = [], [], None
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state.get(p)
+            if not state:
+                continue
+            k = float(state["step"])
+            bc2 = 1.0 - group["betas"][1] ** k
+            v = (state["exp_avg_sq"] / bc2).flatten()
+            v_hat.append(v)
+            if "noise_avg_sq" in state:
+                phi_hat = state["noise_avg_sq"] / bc2
+                floored.append(v <= phi_hat)
+    if not v_hat:
+        return {}
+    out = {"v_hat_median": float(torch.cat(v_hat).median())}
+    if hasattr(opt, "noise_variance") and steps > 0:
+        out["noise_variance_last"] = opt.noise_variance(steps - 1)
+    if phi_hat is not None:
+        out["phi_hat"] = phi_hat
+        out["floored_fraction"] = float(torch.cat(floored).float().mean())
+    return out
+
+
 def run_one(variant: str, pipeline: str, eps: float | None, seed: int, ctx: dict, args) -> dict:
     """One fine-tuning run; the JSONL record."""
     import torch
@@ -305,13 +376,14 @@ def run_one(variant: str, pipeline: str, eps: float | None, seed: int, ctx: dict
                                                         ("train", "test", "names", "state", "tok", "collate"))
     model = classifier(args, tok, state, len(names), pipeline == "lora", seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    lr = args.lr_lora if pipeline == "lora" else args.lr_full
+    lr = args.lr if args.lr is not None else (args.lr_lora if pipeline == "lora" else args.lr_full)
     lr *= args.nonprivate_lr_scale if variant == "nonprivate" else 1.0
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
+    opt, settings = make_optimizer(args.optimizer, params, lr, args)
     g = torch.Generator().manual_seed(seed)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch, shuffle=True, collate_fn=collate,
                                          generator=g)
-    rec = {"variant": variant, "pipeline": pipeline, "epsilon_target": eps, "seed": seed, "lr": lr}
+    rec = {"variant": variant, "pipeline": pipeline, "epsilon_target": eps, "seed": seed, "lr": lr,
+           "optimizer": args.optimizer, "optimizer_settings": settings}
     t0 = time.perf_counter()
     if variant != "nonprivate":
         model, opt, loader = privatize(variant, model, opt, loader, eps, args, seed)
@@ -326,6 +398,7 @@ def run_one(variant: str, pipeline: str, eps: float | None, seed: int, ctx: dict
                trainable_params=sum(p.numel() for p in params))
     if variant != "nonprivate":
         rec.update(plan_fields(opt))
+    rec.update(adam_fields(opt, len(times)))
     return rec
 
 
@@ -347,6 +420,28 @@ def load_records(path: str) -> list[dict]:
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r for r in rows if r.get("kind") != "setup"]
+
+
+def optimizer_of(r: dict) -> str:
+    """The row's optimizer (rows written before ``--optimizer`` ran SGD)."""
+    return r.get("optimizer", "sgd")
+
+
+def optimizer_label(r: dict) -> str:
+    """The optimizer and, for NoiseAwareAdamW with a floor other than its default, the floor."""
+    name = optimizer_of(r)
+    floor = r.get("optimizer_settings", {}).get("variance_floor")
+    return f"{name} (floor {floor:g})" if floor is not None and floor != 1e-10 else name
+
+
+def is_default(r: dict) -> bool:
+    """A row of the default table: SGD at the pipeline's default learning rate (private), a tenth
+    of it (non-private)."""
+    base = DEFAULT_LR.get(r["pipeline"])
+    if optimizer_of(r) != "sgd" or base is None:
+        return False
+    want = base * (DEFAULT_NONPRIVATE_SCALE if r["variant"] == "nonprivate" else 1.0)
+    return abs(r["lr"] - want) <= 1e-9 * want
 
 
 def summarize(records: list[dict]) -> dict:
@@ -404,6 +499,75 @@ def step_table(records: list[dict]) -> str:
         fmt = (lambda v: f"{statistics.mean(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
         lines.append(f"| {pipe} | {variant} | {len(rs)} | {ms:.0f} | {fmt(xs)} | {fmt(xe)} |")
     return "\n".join(lines)
+
+
+OPT_ORDER = {o: i for i, o in enumerate(OPTIMIZERS)}
+
+
+def tuning_table(records: list[dict]) -> str:
+    """The rows outside the default table: accuracy per pipeline, optimizer, learning rate, variant
+    and epsilon (mean and range over seeds, the seeds)."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["pipeline"], optimizer_label(r), r["lr"], r["variant"], r["epsilon_target"]), []).append(r)
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    lines = ["| pipeline | optimizer | lr | variant | epsilon | test acc. (mean) | range | seeds | mechanism |",
+             "|---|---|---:|---|---:|---:|---|---|---|"]
+    for key in sorted(groups, key=lambda k: (k[0], OPT_ORDER.get(k[1].split()[0], 9), k[1], order.get(k[3], 9),
+                                             k[4] or 0, k[2])):
+        rs = groups[key]
+        accs = [r["test_accuracy"] for r in rs]
+        seeds = ",".join(str(s) for s in sorted(r["seed"] for r in rs))
+        mechs = "; ".join(sorted({r.get("mechanism", "-") for r in rs}))
+        eps = "-" if key[4] is None else f"{key[4]:g}"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {key[3]} | {eps} | {100 * statistics.mean(accs):.1f}% | "
+                     f"{100 * min(accs):.1f}-{100 * max(accs):.1f} | {seeds} | {mechs} |")
+    return "\n".join(lines)
+
+
+def paired_table(records: list[dict]) -> str:
+    """NoiseAwareAdamW minus AdamW per (pipeline, variant, epsilon, lr, NoiseAwareAdamW's floor),
+    over the seeds both ran: mean accuracies and the mean and range of the per-seed differences
+    (points)."""
+    adam: dict = {}
+    aware: dict = {}
+    for r in records:
+        key = (r["pipeline"], r["variant"], r["epsilon_target"], r["lr"])
+        if optimizer_of(r) == "adamw":
+            adam.setdefault(key, {})[r["seed"]] = r["test_accuracy"]
+        elif optimizer_of(r) == "noise-aware-adamw":
+            floor = r.get("optimizer_settings", {}).get("variance_floor", 1e-10)
+            aware.setdefault(key + (floor,), {})[r["seed"]] = r["test_accuracy"]
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    lines = ["| pipeline | variant | epsilon | lr | floor | seeds | AdamW | NoiseAwareAdamW | difference (points) | range |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for key in sorted(aware, key=lambda k: (k[0], order.get(k[1], 9), k[2] or 0, k[3], k[4])):
+        base = adam.get(key[:4], {})
+        seeds = sorted(set(base) & set(aware[key]))
+        if not seeds:
+            continue
+        xa = [base[s] for s in seeds]
+        xb = [aware[key][s] for s in seeds]
+        diff = [100 * (y - x) for x, y in zip(xa, xb)]
+        eps = "-" if key[2] is None else f"{key[2]:g}"
+        lines.append(f"| {key[0]} | {key[1]} | {eps} | {key[3]:g} | {key[4]:g} | {','.join(map(str, seeds))} | "
+                     f"{100 * statistics.mean(xa):.1f}% | {100 * statistics.mean(xb):.1f}% | "
+                     f"{statistics.mean(diff):+.1f} | {min(diff):+.1f} to {max(diff):+.1f} |")
+    return "\n".join(lines)
+
+
+def report(records: list[dict]) -> str:
+    """The default tables (SGD at the default rates: accuracy, step time) and, when there are
+    other rows, their table and the AdamW vs NoiseAwareAdamW pairs."""
+    default = [r for r in records if is_default(r)]
+    other = [r for r in records if not is_default(r)]
+    text = table(default) + "\n\n" + step_table(default)
+    if other:
+        text += "\n\nOther optimizers and learning rates:\n\n" + tuning_table(other)
+        pairs = paired_table(other)
+        if pairs.count("\n") > 1:
+            text += "\n\nNoiseAwareAdamW vs AdamW, same seeds:\n\n" + pairs
+    return text
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -478,8 +642,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report:
         records = load_records(args.out)
-        print(table(records) + "\n\n" + step_table(records))
-        plot(records, args.plot)
+        print(report(records))
+        plot([r for r in records if is_default(r)], args.plot)
         return
     import torch
 
@@ -506,8 +670,9 @@ def main(argv=None) -> None:
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
                     print(json.dumps(rec), flush=True)
-    print(table(load_records(args.out)) + "\n\n" + step_table(load_records(args.out)))
-    plot(load_records(args.out), args.plot)
+    records = load_records(args.out)
+    print(report(records))
+    plot([r for r in records if is_default(r)], args.plot)
 
 
 if __name__ == "__main__":

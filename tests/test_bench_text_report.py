@@ -1,0 +1,56 @@
+"""benchmarks/bench_text.py's report: the default table (SGD at the default learning rates) stays
+what it was when rows with other optimizers or rates are appended; those get their own tables.
+Synthetic rows only (no training, no data)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_text.py"
+
+
+@pytest.fixture(scope="module")
+def bt():
+    spec = importlib.util.spec_from_file_location("bench_text", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(variant, eps, seed, acc, lr, optimizer=None, pipeline="full", floor=None):
+    r = {"variant": variant, "pipeline": pipeline, "epsilon_target": eps, "seed": seed, "lr": lr,
+         "test_accuracy": acc, "ms_step_median": 100.0, "ms_per_example_median": 1.0}
+    if optimizer is not None:
+        r["optimizer"] = optimizer
+    if floor is not None:
+        r["optimizer_settings"] = {"variance_floor": floor}
+    return r
+
+
+def test_default_rows_are_sgd_at_the_default_rates(bt):
+    assert bt.is_default(row("nonprivate", None, 0, 0.5, 0.05))          # old row: no optimizer field = sgd
+    assert bt.is_default(row("auto", 3.0, 0, 0.4, 0.5, "sgd"))
+    assert bt.is_default(row("auto", 3.0, 0, 0.4, 1.0, pipeline="lora"))
+    assert not bt.is_default(row("auto", 3.0, 0, 0.4, 2.0, pipeline="lora"))
+    assert not bt.is_default(row("auto", 3.0, 0, 0.4, 0.5, "adamw"))
+    assert not bt.is_default(row("nonprivate", None, 0, 0.5, 1e-3, "adamw"))
+
+
+def test_new_rows_leave_the_default_table_alone_and_pair_by_seed(bt):
+    old = [row("nonprivate", None, 0, 0.5, 0.05), row("auto", 3.0, 0, 0.40, 0.5), row("auto", 3.0, 1, 0.30, 0.5)]
+    new = [row("auto", 3.0, 0, 0.42, 3e-3, "adamw"), row("auto", 3.0, 1, 0.38, 3e-3, "adamw"),
+           row("auto", 3.0, 0, 0.45, 3e-3, "noise-aware-adamw", floor=1e-10),
+           row("auto", 3.0, 2, 0.10, 3e-3, "noise-aware-adamw"),
+           row("auto", 3.0, 1, 0.30, 3e-3, "noise-aware-adamw", floor=1e-6)]
+    text = bt.report(old + new)
+    assert text.startswith(bt.table(old) + "\n\n" + bt.step_table(old))
+    assert "| full | adamw | 0.003 | auto | 3 | 40.0% | 38.0-42.0 | 0,1 |" in text
+    assert "| full | noise-aware-adamw | 0.003 | auto | 3 | 27.5% | 10.0-45.0 | 0,2 |" in text
+    assert "| full | noise-aware-adamw (floor 1e-06) | 0.003 | auto | 3 | 30.0% | 30.0-30.0 | 1 |" in text
+    # paired per floor: the default floor only on seed 0 (+3 points), the raised one on seed 1 (-8)
+    assert "| full | auto | 3 | 0.003 | 1e-10 | 0 | 42.0% | 45.0% | +3.0 | +3.0 to +3.0 |" in text
+    assert "| full | auto | 3 | 0.003 | 1e-06 | 1 | 38.0% | 30.0% | -8.0 | -8.0 to -8.0 |" in text
+    assert bt.report(old) == bt.table(old) + "\n\n" + bt.step_table(old)
