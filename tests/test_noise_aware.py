@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from corrnoise.errors import CorrnoiseError
 from corrnoise.runplan.mechanism import parse_mechanism
 from corrnoise.torch import NoiseAwareAdamW, Privatizer, make_private, released_noise_variance
+from corrnoise.torch.noise_aware import ema_noise_sd
 from corrnoise.torch.noise_aware import noise_row_norms_squared
 
 N_STEPS = 6
@@ -97,7 +98,7 @@ def test_the_noise_variance_is_taken_out_of_the_second_moment():
 
 def test_a_noise_only_coordinate_is_floored():
     p = nn.Parameter(torch.zeros(1000, dtype=torch.float64))
-    opt = NoiseAwareAdamW([p], lr=0.0, betas=(0.9, 0.99), weight_decay=0.0, variance_floor=1e-3)
+    opt = NoiseAwareAdamW([p], lr=0.0, betas=(0.9, 0.99), weight_decay=0.0, variance_floor=1e-3, floor_z=0.0)
     g = torch.Generator().manual_seed(4)
     for _ in range(200):
         opt.observe_noise_variance(1.0)
@@ -108,10 +109,46 @@ def test_a_noise_only_coordinate_is_floored():
     assert bool((corrected >= 1e-3).all())
 
 
+@pytest.mark.parametrize("step", [1, 10, 300])
+def test_ema_noise_sd_is_the_spread_of_a_noise_only_second_moment(step):
+    """ema_noise_sd against simulation: 40,000 coordinates of pure N(0, 2.5) gradients, beta2 0.99;
+    the empirical standard deviation of v_hat at the step (standard error ~0.4-1.3%, allowed 5%)."""
+    g = torch.Generator().manual_seed(step)
+    p = nn.Parameter(torch.zeros(40_000, dtype=torch.float64))
+    opt = NoiseAwareAdamW([p], lr=0.0, betas=(0.9, 0.99), weight_decay=0.0)
+    for _ in range(step):
+        p.grad = 2.5 ** 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64)
+        opt.step()
+    v_hat = opt.state[p]["exp_avg_sq"] / (1 - 0.99 ** step)
+    assert float(v_hat.std()) == pytest.approx(ema_noise_sd(2.5, 0.99, step), rel=0.05)
+    assert ema_noise_sd(2.5, 0.99, 1) == pytest.approx(2.5 * 2 ** 0.5, rel=1e-12)
+
+
+def test_the_default_floor_keeps_noise_only_steps_within_a_few_adamw_steps():
+    """All noise (variance 1), beta2 0.999, 3000 steps: the corrected moment never falls below
+    floor_z = 2 standard deviations of the noise-only EMA, so a noise-only coordinate's denominator
+    is at least sqrt(2 * ema_noise_sd) (about 0.25 of AdamW's sqrt(phi)), where a fixed 1e-10
+    floor lets it fall to 1e-5 on a share of the coordinates."""
+    g = torch.Generator().manual_seed(5)
+    p = nn.Parameter(torch.zeros(2000, dtype=torch.float64))
+    ours = NoiseAwareAdamW([p], lr=0.0, weight_decay=0.0)
+    fixed = NoiseAwareAdamW([q := nn.Parameter(p.detach().clone())], lr=0.0, weight_decay=0.0, floor_z=0.0)
+    for _ in range(3000):
+        grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        for opt, par in ((ours, p), (fixed, q)):
+            opt.observe_noise_variance(1.0)
+            par.grad = grad.clone()
+            opt.step()
+    floor = 2.0 * ema_noise_sd(1.0, 0.999, 3000)
+    assert 0.05 < floor < 0.1
+    assert float(ours.corrected_second_moment(p).min()) == pytest.approx(floor, rel=1e-12)
+    assert float(fixed.corrected_second_moment(q).min()) == pytest.approx(1e-10, rel=1e-12)
+
+
 def test_bad_options_name_the_parameter():
     p = nn.Parameter(torch.zeros(2))
     for kw, name in [(dict(variance_floor=0.0), "variance_floor"), (dict(betas=(0.9, 1.0)), "betas"),
-                     (dict(lr=-1.0), "lr")]:
+                     (dict(lr=-1.0), "lr"), (dict(floor_z=-1.0), "floor_z")]:
         with pytest.raises(CorrnoiseError) as err:
             NoiseAwareAdamW([p], **kw)
         assert err.value.param == name and "\n" not in str(err.value)

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import CorrnoiseError, check_real
 
-__all__ = ["NoiseAwareAdamW", "noise_row_norms_squared", "released_noise_variance"]
+__all__ = ["NoiseAwareAdamW", "ema_noise_sd", "noise_row_norms_squared", "released_noise_variance"]
 
 
 def released_noise_variance(row_norm_squared: float, noise_std: float, clip_norm: float,
@@ -64,6 +64,21 @@ def noise_row_norms_squared(strategy) -> np.ndarray:
     return np.sum(np.asarray(strategy.noising_matrix(), dtype=np.float64) ** 2, axis=1)
 
 
+def ema_noise_sd(noise_variance: float, beta2: float, step: int) -> float:
+    """Standard deviation of Adam's bias-corrected second moment v_hat_k when the gradient is noise alone.
+
+    With g_j ~ N(0, phi) independent, g_j^2 has variance 2 phi^2, and v_hat_k = sum_j w_j g_j^2 with
+    w_j = (1 - beta2) beta2^(k-j) / (1 - beta2^k), so Var(v_hat_k) = 2 phi^2 sum_j w_j^2 =
+    2 phi^2 (1 - beta2)(1 + beta2^k) / ((1 + beta2)(1 - beta2^k)): phi sqrt(2) at step 1, about
+    phi sqrt(2 (1 - beta2) / (1 + beta2)) (0.032 phi for beta2 = 0.999) once k >> 1 / (1 - beta2).
+    Correlated noise rows (n_t of C^-1 Z) make the squares correlated across steps, and the spread
+    larger than this i.i.d. value: the floor it sets is a heuristic, not a bound.
+    """
+    k = int(step)
+    b = float(beta2)
+    return float(noise_variance) * float(np.sqrt(2.0 * (1.0 - b) * (1.0 + b ** k) / ((1.0 + b) * (1.0 - b ** k))))
+
+
 class NoiseAwareAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) whose second moment is corrected for
     the known variance of the DP noise (DP-AdamBC's idea; see the module docstring).
@@ -75,27 +90,33 @@ class NoiseAwareAdamW(torch.optim.Optimizer):
         m      <- beta1 m + (1 - beta1) g          m_hat   = m / (1 - beta1^k)
         v      <- beta2 v + (1 - beta2) g^2        v_hat   = v / (1 - beta2^k)
         a      <- beta2 a + (1 - beta2) phi_t      phi_hat = a / (1 - beta2^k)
-        p      <- p - lr m_hat / (sqrt(max(v_hat - phi_hat, min(variance_floor, v_hat))) + eps)
+        floor  = max(variance_floor, floor_z * ema_noise_sd(phi_hat, beta2, k))
+        p      <- p - lr m_hat / (sqrt(max(v_hat - phi_hat, min(floor, v_hat))) + eps)
 
-    ``variance_floor`` (default 1e-10, in squared gradient units): the corrected second moment is
-    never below it (a coordinate whose gradient is all noise would otherwise divide by ~eps and
-    take a huge step), nor raised above the uncorrected v_hat (the floor never makes a step smaller
-    than AdamW's). With phi = 0 the update is AdamW's exactly. Raise the floor for tiny gradients:
-    the largest step of a noise-only coordinate is about lr * |m_hat| / sqrt(variance_floor).
+    The floor. Where the gradient is all noise, v_hat - phi_hat is zero give or take the EMA's own
+    spread (:func:`ema_noise_sd`), so without a floor the step would divide by ~0 and be huge
+    (measured: with a fixed floor of 1e-10 text fine-tuning fell to chance, RESULTS.md). The
+    corrected moment is kept at least ``floor_z`` (default 2) of those standard deviations, and at
+    least ``variance_floor`` (default 1e-10, squared gradient units), so a noise-only coordinate
+    steps at most about sqrt(phi / (floor_z * ema_noise_sd)) times AdamW's step (~4x for beta2 = 0.999
+    late in training; at step 1 the floor is above v_hat there, so the step is AdamW's). The floor never raises the moment above
+    the uncorrected v_hat (never a smaller step than AdamW's). ``floor_z=0`` leaves the fixed
+    floor alone. With phi = 0 the update is AdamW's exactly.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, variance_floor: float = 1e-10):
+                 weight_decay: float = 1e-2, variance_floor: float = 1e-10, floor_z: float = 2.0):
         lr = check_real("lr", lr, low=0.0)
         eps = check_real("eps", eps, low=0.0)
         weight_decay = check_real("weight_decay", weight_decay, low=0.0)
         variance_floor = check_real("variance_floor", variance_floor, low=0.0, low_open=True)
+        floor_z = check_real("floor_z", floor_z, low=0.0)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise CorrnoiseError("betas", f"must be a pair (beta1, beta2), got {betas!r}")
         betas = (check_real("betas", betas[0], low=0.0, high=1.0, high_open=True),
                  check_real("betas", betas[1], low=0.0, high=1.0, high_open=True))
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      variance_floor=variance_floor))
+                                      variance_floor=variance_floor, floor_z=floor_z))
         self.noise_variance = 0.0
 
     def observe_noise_variance(self, variance: float) -> None:
@@ -139,12 +160,12 @@ class NoiseAwareAdamW(torch.optim.Optimizer):
         v_hat = v / bc2
         phi_hat = state["noise_avg_sq"] / bc2
         if phi_hat > 0.0:
-            v_hat = torch.maximum(v_hat - phi_hat, v_hat.clamp(max=group["variance_floor"]))
+            v_hat = torch.maximum(v_hat - phi_hat, v_hat.clamp(max=_floor(group, phi_hat, beta2, k)))
         denom = v_hat.sqrt_().add_(group["eps"])
         p.addcdiv_(m, denom, value=-group["lr"] / bc1)
 
     def corrected_second_moment(self, p: torch.Tensor) -> torch.Tensor:
-        """max(v_hat - phi_hat, min(variance_floor, v_hat)) of parameter ``p`` after the last step."""
+        """max(v_hat - phi_hat, min(floor, v_hat)) of parameter ``p`` after the last step."""
         state = self.state.get(p)
         if not state:
             raise CorrnoiseError("p", "has taken no step")
@@ -152,4 +173,11 @@ class NoiseAwareAdamW(torch.optim.Optimizer):
         bc2 = 1.0 - group["betas"][1] ** state["step"]
         v_hat = state["exp_avg_sq"] / bc2
         phi_hat = state["noise_avg_sq"] / bc2
-        return torch.maximum(v_hat - phi_hat, v_hat.clamp(max=group["variance_floor"])) if phi_hat > 0 else v_hat
+        if phi_hat <= 0:
+            return v_hat
+        return torch.maximum(v_hat - phi_hat, v_hat.clamp(max=_floor(group, phi_hat, group["betas"][1], state["step"])))
+
+
+def _floor(group, phi_hat: float, beta2: float, step: int) -> float:
+    """The corrected second moment's floor at ``step`` (see :class:`NoiseAwareAdamW`)."""
+    return max(group["variance_floor"], group.get("floor_z", 0.0) * ema_noise_sd(phi_hat, beta2, step))
