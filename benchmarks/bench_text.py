@@ -85,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--nonprivate-lr-scale)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW / NoiseAwareAdamW weight decay")
     p.add_argument("--variance-floor", type=float, default=1e-10, help="NoiseAwareAdamW's variance_floor")
+    p.add_argument("--floor-z", type=float, default=2.0,
+                   help="NoiseAwareAdamW's floor_z (0: the fixed floor alone, as before the relative floor)")
     p.add_argument("--nonprivate-lr-scale", type=float, default=0.1,
                    help="the non-private run's learning rate is the pipeline's times this (at 1x it diverged)")
     p.add_argument("--clip", type=float, default=1.0)
@@ -329,8 +331,9 @@ def make_optimizer(name: str, params, lr: float, args):
         from corrnoise.torch import NoiseAwareAdamW
 
         settings["variance_floor"] = args.variance_floor
+        settings["floor_z"] = args.floor_z
         return NoiseAwareAdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay,
-                               variance_floor=args.variance_floor), settings
+                               variance_floor=args.variance_floor, floor_z=args.floor_z), settings
     raise SystemExit(f"bench_text: unknown optimizer {name!r} ({', '.join(OPTIMIZERS)})")
 
 
@@ -427,11 +430,18 @@ def optimizer_of(r: dict) -> str:
     return r.get("optimizer", "sgd")
 
 
+def floor_of(r: dict) -> str:
+    """NoiseAwareAdamW's floor as run: ``floor_z`` standard deviations of the noise-only EMA (rows
+    without it ran before that floor existed: the fixed ``variance_floor`` alone)."""
+    settings = r.get("optimizer_settings", {})
+    fixed, z = settings.get("variance_floor", 1e-10), settings.get("floor_z", 0.0)
+    return f"{z:g} sd" if z > 0 and fixed == 1e-10 else (f"{fixed:g} fixed" if z == 0 else f"{z:g} sd, {fixed:g}")
+
+
 def optimizer_label(r: dict) -> str:
-    """The optimizer and, for NoiseAwareAdamW with a floor other than its default, the floor."""
+    """The optimizer and, for NoiseAwareAdamW, its floor."""
     name = optimizer_of(r)
-    floor = r.get("optimizer_settings", {}).get("variance_floor")
-    return f"{name} (floor {floor:g})" if floor is not None and floor != 1e-10 else name
+    return f"{name} (floor {floor_of(r)})" if name == "noise-aware-adamw" else name
 
 
 def is_default(r: dict) -> bool:
@@ -536,8 +546,7 @@ def paired_table(records: list[dict]) -> str:
         if optimizer_of(r) == "adamw":
             adam.setdefault(key, {})[r["seed"]] = r["test_accuracy"]
         elif optimizer_of(r) == "noise-aware-adamw":
-            floor = r.get("optimizer_settings", {}).get("variance_floor", 1e-10)
-            aware.setdefault(key + (floor,), {})[r["seed"]] = r["test_accuracy"]
+            aware.setdefault(key + (floor_of(r),), {})[r["seed"]] = r["test_accuracy"]
     order = {v: i for i, v in enumerate(VARIANTS)}
     lines = ["| pipeline | variant | epsilon | lr | floor | seeds | AdamW | NoiseAwareAdamW | difference (points) | range |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
@@ -550,7 +559,7 @@ def paired_table(records: list[dict]) -> str:
         xb = [aware[key][s] for s in seeds]
         diff = [100 * (y - x) for x, y in zip(xa, xb)]
         eps = "-" if key[2] is None else f"{key[2]:g}"
-        lines.append(f"| {key[0]} | {key[1]} | {eps} | {key[3]:g} | {key[4]:g} | {','.join(map(str, seeds))} | "
+        lines.append(f"| {key[0]} | {key[1]} | {eps} | {key[3]:g} | {key[4]} | {','.join(map(str, seeds))} | "
                      f"{100 * statistics.mean(xa):.1f}% | {100 * statistics.mean(xb):.1f}% | "
                      f"{statistics.mean(diff):+.1f} | {min(diff):+.1f} to {max(diff):+.1f} |")
     return "\n".join(lines)

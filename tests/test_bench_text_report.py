@@ -20,13 +20,13 @@ def bt():
     return module
 
 
-def row(variant, eps, seed, acc, lr, optimizer=None, pipeline="full", floor=None):
+def row(variant, eps, seed, acc, lr, optimizer=None, pipeline="full", floor=None, floor_z=None):
     r = {"variant": variant, "pipeline": pipeline, "epsilon_target": eps, "seed": seed, "lr": lr,
          "test_accuracy": acc, "ms_step_median": 100.0, "ms_per_example_median": 1.0}
     if optimizer is not None:
         r["optimizer"] = optimizer
     if floor is not None:
-        r["optimizer_settings"] = {"variance_floor": floor}
+        r["optimizer_settings"] = {"variance_floor": floor, **({} if floor_z is None else {"floor_z": floor_z})}
     return r
 
 
@@ -44,13 +44,17 @@ def test_new_rows_leave_the_default_table_alone_and_pair_by_seed(bt):
     new = [row("auto", 3.0, 0, 0.42, 3e-3, "adamw"), row("auto", 3.0, 1, 0.38, 3e-3, "adamw"),
            row("auto", 3.0, 0, 0.45, 3e-3, "noise-aware-adamw", floor=1e-10),
            row("auto", 3.0, 2, 0.10, 3e-3, "noise-aware-adamw"),
-           row("auto", 3.0, 1, 0.30, 3e-3, "noise-aware-adamw", floor=1e-6)]
+           row("auto", 3.0, 1, 0.30, 3e-3, "noise-aware-adamw", floor=1e-6),
+           row("auto", 3.0, 1, 0.41, 3e-3, "noise-aware-adamw", floor=1e-10, floor_z=2.0)]
     text = bt.report(old + new)
     assert text.startswith(bt.table(old) + "\n\n" + bt.step_table(old))
     assert "| full | adamw | 0.003 | auto | 3 | 40.0% | 38.0-42.0 | 0,1 |" in text
-    assert "| full | noise-aware-adamw | 0.003 | auto | 3 | 27.5% | 10.0-45.0 | 0,2 |" in text
-    assert "| full | noise-aware-adamw (floor 1e-06) | 0.003 | auto | 3 | 30.0% | 30.0-30.0 | 1 |" in text
-    # paired per floor: the default floor only on seed 0 (+3 points), the raised one on seed 1 (-8)
-    assert "| full | auto | 3 | 0.003 | 1e-10 | 0 | 42.0% | 45.0% | +3.0 | +3.0 to +3.0 |" in text
-    assert "| full | auto | 3 | 0.003 | 1e-06 | 1 | 38.0% | 30.0% | -8.0 | -8.0 to -8.0 |" in text
+    # rows without floor_z ran before the relative floor: the fixed floor alone
+    assert "| full | noise-aware-adamw (floor 1e-10 fixed) | 0.003 | auto | 3 | 27.5% | 10.0-45.0 | 0,2 |" in text
+    assert "| full | noise-aware-adamw (floor 1e-06 fixed) | 0.003 | auto | 3 | 30.0% | 30.0-30.0 | 1 |" in text
+    assert "| full | noise-aware-adamw (floor 2 sd) | 0.003 | auto | 3 | 41.0% | 41.0-41.0 | 1 |" in text
+    # paired per floor: the fixed default only on seed 0 (+3 points), the raised one and 2 sd on seed 1
+    assert "| full | auto | 3 | 0.003 | 1e-10 fixed | 0 | 42.0% | 45.0% | +3.0 | +3.0 to +3.0 |" in text
+    assert "| full | auto | 3 | 0.003 | 1e-06 fixed | 1 | 38.0% | 30.0% | -8.0 | -8.0 to -8.0 |" in text
+    assert "| full | auto | 3 | 0.003 | 2 sd | 1 | 38.0% | 41.0% | +3.0 | +3.0 to +3.0 |" in text
     assert bt.report(old) == bt.table(old) + "\n\n" + bt.step_table(old)
