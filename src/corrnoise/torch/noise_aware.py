@@ -98,10 +98,12 @@ class NoiseAwareAdamW(torch.optim.Optimizer):
     (measured: with a fixed floor of 1e-10 text fine-tuning fell to chance, RESULTS.md). The
     corrected moment is kept at least ``floor_z`` (default 2) of those standard deviations, and at
     least ``variance_floor`` (default 1e-10, squared gradient units), so a noise-only coordinate
-    steps at most about sqrt(phi / (floor_z * ema_noise_sd)) times AdamW's step (~4x for beta2 = 0.999
-    late in training; at step 1 the floor is above v_hat there, so the step is AdamW's). The floor never raises the moment above
-    the uncorrected v_hat (never a smaller step than AdamW's). ``floor_z=0`` leaves the fixed
-    floor alone. With phi = 0 the update is AdamW's exactly.
+    steps at most about sqrt(phi / (floor_z * ema_noise_sd)) times AdamW's step: ~4x for
+    beta2 = 0.999 late in training; at step 1 the floor lies above v_hat, so the step is AdamW's.
+    The floor never raises the moment above the uncorrected v_hat (never a smaller step than
+    AdamW's). ``floor_z=0`` leaves the fixed floor alone, as does a state dict saved before
+    ``floor_z`` existed (its param groups lack it: a resumed run keeps the update it started with).
+    With phi = 0 the update is AdamW's exactly.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

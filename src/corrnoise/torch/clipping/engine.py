@@ -78,11 +78,13 @@ outside it) before ``clear()`` is refused. Fallback layers must be
 deterministic (no dropout inside them). A hook on an output that is a view would be lost if the
 view were later modified in place (``ReLU(inplace=True)`` after a Linear on (B, T, d)): a Linear's
 or Conv1D's view output is the reshape of its own (B*T, d) result, hooked there instead; other
-layers' view outputs are copied once. The
-user's backward accumulates ``p.grad`` on the first step only (for the check above) and with
-``verify=True``; afterwards a hooked call whose input carries a gradient runs with its parameters
-out of autograd, so backward computes no weight gradient (an Embedding's, whose input is indices,
-still is). ``p.grad`` is then what the private optimizer writes.
+layers' view outputs are copied once.
+
+Weight gradients. The user's backward accumulates ``p.grad`` on the first step only (for the
+check above) and with ``verify=True``; afterwards a hooked call whose input carries a gradient
+runs with its parameters out of autograd, so backward computes no weight gradient (an
+Embedding's, whose input is indices, still is). ``p.grad`` is then what the private optimizer
+writes.
 """
 
 from __future__ import annotations
