@@ -435,12 +435,16 @@ def test_step_without_a_captured_backward_is_refused():
 # ----------------------------------------------------------------------------------------------
 # Resuming a Monte Carlo calibration; what is trainable; argument checks; the Opacus default
 # ----------------------------------------------------------------------------------------------
-def _bib_run(epsilon=6.0, delta=1e-3):
+def _bib_run(epsilon=6.0, delta=1e-3, seed=1):
+    """A balls-in-bins run calibrated by Monte Carlo. The calibration and verification seeds are
+    fixed so that whether the verification passes does not depend on the OS's entropy (with fresh
+    seeds it failed now and then, by design: a failed verification releases nothing)."""
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     return make_private(model, opt, DataLoader(_data(40), batch_size=8), mechanism="dpcgd:0.7",
                         batching="balls-in-bins", epsilon=epsilon, delta=delta, epochs=2, max_grad_norm=1.0,
+                        accounting_options={"seed": seed, "verify_seed": 1000 + seed},
                         noise_seed=7)  # the sampler seed: secret, from the OS; a resumed run adopts the checkpoint's
 
 
@@ -448,7 +452,7 @@ def test_balls_in_bins_run_resumes_with_the_checkpoints_verified_noise():
     model, opt, loader = _bib_run()
     _one_step(model, opt, loader)
     state = opt.state_dict()
-    m2, o2, _ = _bib_run()  # a fresh Monte Carlo calibration: another verified noise_std
+    m2, o2, _ = _bib_run(seed=2)  # another Monte Carlo calibration: another verified noise_std
     assert o2.noise_std != opt.noise_std
     o2.load_state_dict(state)
     assert o2.noise_std == opt.noise_std and o2.steps_taken == 1
