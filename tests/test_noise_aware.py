@@ -155,6 +155,10 @@ def test_bad_options_name_the_parameter():
     with pytest.raises(CorrnoiseError) as err:
         NoiseAwareAdamW([p]).observe_noise_variance(-1.0)
     assert err.value.param == "variance"
+    for kw, name in [(dict(step=0), "step"), (dict(beta2=1.0), "beta2"), (dict(noise_variance=-1.0), "noise_variance")]:
+        with pytest.raises(CorrnoiseError) as err:
+            ema_noise_sd(**{**dict(noise_variance=1.0, beta2=0.99, step=3), **kw})
+        assert err.value.param == name and "\n" not in str(err.value)
 
 
 def test_make_private_tells_the_optimizer_each_steps_variance():

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import CorrnoiseError, check_real
+from ..errors import CorrnoiseError, check_int, check_real
 
 __all__ = ["NoiseAwareAdamW", "ema_noise_sd", "noise_row_norms_squared", "released_noise_variance"]
 
@@ -74,9 +74,10 @@ def ema_noise_sd(noise_variance: float, beta2: float, step: int) -> float:
     Correlated noise rows (n_t of C^-1 Z) make the squares correlated across steps, and the spread
     larger than this i.i.d. value: the floor it sets is a heuristic, not a bound.
     """
-    k = int(step)
-    b = float(beta2)
-    return float(noise_variance) * float(np.sqrt(2.0 * (1.0 - b) * (1.0 + b ** k) / ((1.0 + b) * (1.0 - b ** k))))
+    phi = check_real("noise_variance", noise_variance, low=0.0)
+    b = check_real("beta2", beta2, low=0.0, high=1.0, high_open=True)
+    k = check_int("step", step, minimum=1)
+    return phi * float(np.sqrt(2.0 * (1.0 - b) * (1.0 + b ** k) / ((1.0 + b) * (1.0 - b ** k))))
 
 
 class NoiseAwareAdamW(torch.optim.Optimizer):
