@@ -21,7 +21,7 @@
    ``--nonprivate-lr-scale`` times it), clip norm ``--clip``. Not tuned per variant or epsilon.
    ``--optimizer adamw`` / ``noise-aware-adamw`` (torch's AdamW / corrnoise's NoiseAwareAdamW,
    the released noise's variance taken out of the second moment; betas (0.9, 0.999), weight decay
-   ``--weight-decay``, NoiseAwareAdamW's floor ``--variance-floor``) replaces SGD, and ``--lr``
+   ``--weight-decay``, NoiseAwareAdamW's floor ``--floor-z`` / ``--variance-floor``) replaces SGD, and ``--lr``
    replaces the pipeline's learning rate; every JSONL row records ``optimizer`` (rows without it
    ran SGD) and ``lr``. The default table (``--report``) keeps SGD at the default rates; the other
    rows get their own tables (per optimizer and rate, and AdamW vs NoiseAwareAdamW paired by seed).
@@ -341,7 +341,8 @@ def adam_fields(opt, steps: int) -> dict:
     """For an Adam run after training: the median over coordinates of Adam's bias-corrected second
     moment v_hat, the variance of the released noise at the last step (private runs), and for
     NoiseAwareAdamW its averaged noise variance phi_hat and the fraction of coordinates whose
-    corrected second moment sits at the floor (v_hat <= phi_hat: all noise as far as it can tell)."""
+    subtraction leaves nothing (``floored_fraction``: v_hat <= phi_hat, all noise as far as it can
+    tell; under ``floor_z`` > 0 a few more sit at the floor)."""
     import torch
 
     inner = getattr(opt, "original", opt)
