@@ -829,9 +829,23 @@ def test_materializing_stops_at_the_memory_budget_and_stays_exact(monkeypatch):
             calls["ghost" if _name == "ghost_norm_sq" else "materialize"] += 1
             return _real(*a, **k)
         monkeypatch.setattr(engine_mod, name, counted)
-    # T = 16 rows, two 64 x 64 weights: the rule says materialize both (16^2 * 128 > 2 * 64^2); the
-    # budget (inputs and grad outputs, 2 * B T 128 numbers, + biases) holds one B 64^2, not two
-    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
-    assert not formulas.use_ghost(16, 64, 64)
-    check_engine(model, torch.randn(3, 16, 64))
+    # T = 48 rows, two 128 x 128 weights: the rule says materialize both (48^2 * 256 > 32 * 128^2);
+    # the budget (inputs and grad outputs, 2 * 2 * B T 128 numbers, + biases) holds one B 128^2,
+    # not two
+    model = nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128))
+    assert not formulas.use_ghost(48, 128, 128)
+    check_engine(model, torch.randn(3, 48, 128))
     assert calls["ghost"] >= 1 and calls["materialize"] >= 1, calls
+
+
+def test_ghost_rule_boundary_is_the_calibrated_ratio():
+    """Dense factors: ghost iff T^2 (P + Q) <= GHOST_RATIO P Q, exactly at the integer boundary; the
+    two measured regimes fall on their sides (width 128 at T = 64 materializes, width 512 does not)."""
+    from corrnoise.torch.clipping import formulas
+
+    assert formulas.GHOST_RATIO == 32
+    assert not formulas.use_ghost(64, 128, 128) and not formulas.use_ghost(64, 128, 384)
+    assert formulas.use_ghost(64, 512, 512) and formulas.use_ghost(64, 768, 3072)
+    # width 512: 90^2 * 1024 = 8,294,400 <= 32 * 512^2 = 8,388,608 < 91^2 * 1024 = 8,479,744
+    assert formulas.use_ghost(90, 512, 512) and not formulas.use_ghost(91, 512, 512)
+    assert formulas.use_ghost(1, 4, 4)  # a Linear on (B, d): T = 1

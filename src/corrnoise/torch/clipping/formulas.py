@@ -29,6 +29,7 @@ from ..per_example import clip_factors
 
 __all__ = [
     "OneHot",
+    "GHOST_RATIO",
     "use_ghost",
     "gram",
     "ghost_norm_sq",
@@ -58,19 +59,32 @@ def _t(x) -> int:
     return x.shape[2]
 
 
+#: what one element of a materialized per-example gradient costs, in multiply-adds, summed over its
+#: three memory passes (written by the per-example product, read for its norm, read again for the
+#: weighted sum). Dense factors take the ghost norm iff T^2 (P + Q) <= GHOST_RATIO * P Q.
+#: Calibrated on the shared 2-core CPU (benchmarks/bench_ghost_ratio.py: whole private steps of
+#: GPT-2 / BERT configs against a plain step in one process, 1 thread, B = 32, ratios 2 to 128;
+#: RESULTS.md "Materialize or ghost norm"). At T = 64 and width 128 (every Linear materialized,
+#: as before) 32 is within the noise of the best; at widths 256-768 it beats the multiply-add
+#: count alone (ratio 2) by 0.04-0.12 of a plain step. Larger ratios gain up to 0.1 more at
+#: widths >= 512 but put GPT-2's 128 x 384 c_attn on the ghost norm, 0.05-0.12 slower.
+GHOST_RATIO = 32
+
+
 def use_ghost(total_t: int, p: int, q: int, one_hot: bool = False) -> bool:
     """Per-parameter rule: ghost norm, or the per-example gradients materialized (and held for the
-    clipped sum), whichever costs fewer multiply-adds.
+    clipped sum), whichever costs less.
 
     Dense factors (B, G, T, P) and (B, G, T, Q), per example and block: the ghost norm forms two
-    T x T Gram matrices, T^2 (P + Q), and the clipped sum then needs the book-keeping product
-    U^T diag(c) V, T P Q; materializing costs the same T P Q once, plus P Q for the norm and P Q
-    for the weighted sum. Hence ghost iff T^2 (P + Q) <= 2 P Q. T = 1 (a Linear on (B, d))
-    always takes the ghost norm: ||G_i||^2 = ||u_i||^2 ||v_i||^2; a Linear on sequences takes
-    materialization once T exceeds about sqrt(2 P Q / (P + Q)) (measured, 1 CPU thread, B = 32,
-    T = 64, 128 x 128: 0.6 ms against 1.1 ms for ghost norm + book-keeping). The engine still
-    takes the ghost norm where holding the materialized gradients would exceed its memory
-    budget (:meth:`.engine.ClippingEngine.clipped_sum`).
+    T x T Gram matrices, T^2 (P + Q) multiply-adds, and the clipped sum then needs the book-keeping
+    product U^T diag(c) V, T P Q; materializing costs the same T P Q once, and then each of its
+    P Q elements goes through memory three times (written, read for the norm, read for the
+    weighted sum), each pass worth many multiply-adds on a CPU once B P Q floats leave the cache.
+    Hence ghost iff T^2 (P + Q) <= :data:`GHOST_RATIO` P Q (measured constant). T = 1 (a Linear
+    on (B, d)) always takes the ghost norm: ||G_i||^2 = ||u_i||^2 ||v_i||^2; a Linear on sequences
+    takes materialization once T^2 (P + Q) / (P Q) exceeds the ratio: T = 64 at width 128, but
+    only T > 90 at width 512. The engine still takes the ghost norm where holding the materialized
+    gradients would exceed its memory budget (:meth:`.engine.ClippingEngine.clipped_sum`).
 
     ``one_hot`` (an Embedding side, P or Q = vocabulary size): the one-hot Gram matrix and the
     book-keeping are gathers / ``index_add``, so the multiply-add count says nothing; the ghost norm
@@ -81,7 +95,7 @@ def use_ghost(total_t: int, p: int, q: int, one_hot: bool = False) -> bool:
     """
     if one_hot:
         return 2 * total_t * total_t < p * q
-    return total_t * total_t * (p + q) <= 2 * p * q
+    return total_t * total_t * (p + q) <= GHOST_RATIO * p * q
 
 
 def gram(x, y) -> torch.Tensor:
