@@ -32,6 +32,12 @@
    batches, no amplification: ``batching="cyclic"``), ``auto`` (``mechanism="auto"``: the planner's
    pick of mechanism and batching).
 
+Rate selection (``--split validation``): the run trains on a stratified 80% of the training split
+(seed 1) and records ``validation_accuracy`` on the other 20%; the test quotations are not seen.
+``--report`` then lists, per pipeline, optimizer, variant and epsilon, the rate with the best
+validation accuracy and the test accuracy of the ordinary runs at that rate. (As in most published
+DP benchmarks, the selection itself is not charged to the privacy budget.)
+
 Step time: the wall time of forward + backward + optimizer step of every training step; the JSONL
 keeps the median and the median per example (Poisson batches vary in size), and ``x plain`` is the
 ratio to the non-private run of the same pipeline in the same process (same model, same data).
@@ -105,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(HERE / "text_runs.jsonl"))
     p.add_argument("--plot", default=str(HERE / "text.png"))
     p.add_argument("--report", action="store_true", help="only write the table and plot from --out")
+    p.add_argument("--split", choices=("test", "validation"), default="test",
+                   help="validation: train on 80%% of the training split, score on the other 20%% (rate selection)")
     return p.parse_args(argv)
 
 
@@ -236,6 +244,16 @@ def fortune_splits(tok, args):
     ids = [enc.ids[:args.ctx - 1] + [eot] for enc in tok.encode_batch(texts)]
     tr, te = split_indices(labels, 0.2, seed=0)
     return (Fortunes([ids[i] for i in tr], labels[tr]), Fortunes([ids[i] for i in te], labels[te]), names)
+
+
+def validation_split(train: "Fortunes") -> tuple["Fortunes", "Fortunes"]:
+    """(fit, validation): the training split's own stratified 80/20 split (seed 1), so that rates
+    are chosen without the test split. The test quotations are never seen by a validation run."""
+    from corrnoise.datasets.text import split_indices
+
+    fit, val = split_indices(train.labels, 0.2, seed=1)
+    return (Fortunes([train.ids[i] for i in fit], train.labels[fit]),
+            Fortunes([train.ids[i] for i in val], train.labels[val]))
 
 
 def classifier(args, tok, state: dict, num_labels: int, lora: bool, seed: int):
@@ -387,7 +405,7 @@ def run_one(variant: str, pipeline: str, eps: float | None, seed: int, ctx: dict
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch, shuffle=True, collate_fn=collate,
                                          generator=g)
     rec = {"variant": variant, "pipeline": pipeline, "epsilon_target": eps, "seed": seed, "lr": lr,
-           "optimizer": args.optimizer, "optimizer_settings": settings}
+           "optimizer": args.optimizer, "optimizer_settings": settings, "split": args.split}
     t0 = time.perf_counter()
     if variant != "nonprivate":
         model, opt, loader = privatize(variant, model, opt, loader, eps, args, seed)
@@ -398,12 +416,18 @@ def run_one(variant: str, pipeline: str, eps: float | None, seed: int, ctx: dict
     rec.update(steps=len(times), mean_batch=statistics.mean(sizes), train_loss_last_epoch=round(train_loss, 4),
                ms_step_median=1e3 * statistics.median(times),
                ms_per_example_median=1e3 * statistics.median(t / max(s, 1) for t, s in zip(times, sizes)),
-               seconds_training=round(sum(times), 2), test_accuracy=accuracy(model, test_set, collate),
+               seconds_training=round(sum(times), 2), **{accuracy_key(args.split): accuracy(model, test_set, collate)},
                trainable_params=sum(p.numel() for p in params))
     if variant != "nonprivate":
         rec.update(plan_fields(opt))
     rec.update(adam_fields(opt, len(times)))
     return rec
+
+
+def accuracy_key(split: str) -> str:
+    """The record's accuracy field: ``test_accuracy``, or ``validation_accuracy`` for a run that
+    trained on the fit part of the training split and was scored on its validation part."""
+    return "validation_accuracy" if split == "validation" else "test_accuracy"
 
 
 def add_step_ratios(records: list[dict]) -> None:
@@ -566,9 +590,50 @@ def paired_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def is_validation(r: dict) -> bool:
+    """A rate-selection row (``--split validation``); rows without ``split`` were scored on test."""
+    return r.get("split", "test") == "validation"
+
+
+def selection_table(records: list[dict]) -> str:
+    """Rates chosen on the validation split, then scored on test: per pipeline, optimizer, variant
+    and epsilon, the validation accuracy of each rate tried (mean over its validation seeds), the
+    rate with the best one, and the test accuracy of the test-split runs at that rate (mean,
+    range, seeds; "-" until they have run)."""
+    val: dict = {}
+    test: dict = {}
+    for r in records:
+        key = (r["pipeline"], optimizer_label(r), r["variant"], r["epsilon_target"])
+        if is_validation(r):
+            val.setdefault(key, {}).setdefault(r["lr"], []).append(r["validation_accuracy"])
+        else:
+            test.setdefault(key + (r["lr"],), []).append(r)
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    lines = ["| pipeline | optimizer | variant | epsilon | validation acc. per lr | chosen lr | test acc. (mean) | "
+             "range | seeds |", "|---|---|---|---:|---|---:|---:|---|---|"]
+    for key in sorted(val, key=lambda k: (k[0], OPT_ORDER.get(k[1].split()[0], 9), k[1], k[3] or 0,
+                                          order.get(k[2], 9))):
+        means = {lr: statistics.mean(accs) for lr, accs in val[key].items()}
+        chosen = max(sorted(means), key=lambda lr: means[lr])  # ties: the smaller rate
+        tried = ", ".join(f"{lr:g}: {100 * means[lr]:.1f}" for lr in sorted(means))
+        rs = test.get(key + (chosen,), [])
+        eps = "-" if key[3] is None else f"{key[3]:g}"
+        if rs:
+            accs = [r["test_accuracy"] for r in rs]
+            scored = (f"{100 * statistics.mean(accs):.1f}% | {100 * min(accs):.1f}-{100 * max(accs):.1f} | "
+                      + ",".join(str(s) for s in sorted(r["seed"] for r in rs)))
+        else:
+            scored = "- | - | -"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {eps} | {tried} | {chosen:g} | {scored} |")
+    return "\n".join(lines)
+
+
 def report(records: list[dict]) -> str:
     """The default tables (SGD at the default rates: accuracy, step time) and, when there are
-    other rows, their table and the AdamW vs NoiseAwareAdamW pairs."""
+    other rows, their table and the AdamW vs NoiseAwareAdamW pairs; with validation rows, the
+    rates they chose and those rates' test accuracy."""
+    validation = [r for r in records if is_validation(r)]
+    records = [r for r in records if not is_validation(r)]
     default = [r for r in records if is_default(r)]
     other = [r for r in records if not is_default(r)]
     text = table(default) + "\n\n" + step_table(default)
@@ -577,6 +642,8 @@ def report(records: list[dict]) -> str:
         pairs = paired_table(other)
         if pairs.count("\n") > 1:
             text += "\n\nNoiseAwareAdamW vs AdamW, same seeds:\n\n" + pairs
+    if validation:
+        text += "\n\nRates chosen on the validation split, scored on test:\n\n" + selection_table(validation + records)
     return text
 
 
@@ -627,8 +694,10 @@ def prepare(args) -> dict:
     t_tok = time.perf_counter() - t0
     state, info = pretrain(args, tok, text, cache)
     train, test, names = fortune_splits(tok, args)
+    if args.split == "validation":
+        train, test = validation_split(train)
     info.update(tokenizer_seconds=round(t_tok, 1), vocab=tok.get_vocab_size(), public_chars=len(text),
-                n_train=len(train), n_test=len(test), categories=names)
+                n_train=len(train), n_test=len(test), split=args.split, categories=names)
     return {"train": train, "test": test, "names": names, "state": state, "tok": tok,
             "collate": PadCollate(tok.token_to_id("<pad>")), "info": info}
 
@@ -653,7 +722,7 @@ def main(argv=None) -> None:
     if args.report:
         records = load_records(args.out)
         print(report(records))
-        plot([r for r in records if is_default(r)], args.plot)
+        plot([r for r in records if is_default(r) and not is_validation(r)], args.plot)
         return
     import torch
 
@@ -682,7 +751,7 @@ def main(argv=None) -> None:
                     print(json.dumps(rec), flush=True)
     records = load_records(args.out)
     print(report(records))
-    plot([r for r in records if is_default(r)], args.plot)
+    plot([r for r in records if is_default(r) and not is_validation(r)], args.plot)
 
 
 if __name__ == "__main__":
