@@ -159,13 +159,8 @@ class NoiseAwareAdamW(torch.optim.Optimizer):
         m.lerp_(grad, 1.0 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         state["noise_avg_sq"] = beta2 * state["noise_avg_sq"] + (1.0 - beta2) * phi
-        bc1, bc2 = 1.0 - beta1 ** k, 1.0 - beta2 ** k
-        v_hat = v / bc2
-        phi_hat = state["noise_avg_sq"] / bc2
-        if phi_hat > 0.0:
-            v_hat = torch.maximum(v_hat - phi_hat, v_hat.clamp(max=_floor(group, phi_hat, beta2, k)))
-        denom = v_hat.sqrt_().add_(group["eps"])
-        p.addcdiv_(m, denom, value=-group["lr"] / bc1)
+        denom = _corrected(v, state["noise_avg_sq"], group, beta2, k).sqrt_().add_(group["eps"])
+        p.addcdiv_(m, denom, value=-group["lr"] / (1.0 - beta1 ** k))
 
     def corrected_second_moment(self, p: torch.Tensor) -> torch.Tensor:
         """max(v_hat - phi_hat, min(floor, v_hat)) of parameter ``p`` after the last step."""
@@ -173,14 +168,16 @@ class NoiseAwareAdamW(torch.optim.Optimizer):
         if not state:
             raise CorrnoiseError("p", "has taken no step")
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        bc2 = 1.0 - group["betas"][1] ** state["step"]
-        v_hat = state["exp_avg_sq"] / bc2
-        phi_hat = state["noise_avg_sq"] / bc2
-        if phi_hat <= 0:
-            return v_hat
-        return torch.maximum(v_hat - phi_hat, v_hat.clamp(max=_floor(group, phi_hat, group["betas"][1], state["step"])))
+        return _corrected(state["exp_avg_sq"], state["noise_avg_sq"], group, group["betas"][1], state["step"])
 
 
-def _floor(group, phi_hat: float, beta2: float, step: int) -> float:
-    """The corrected second moment's floor at ``step`` (see :class:`NoiseAwareAdamW`)."""
-    return max(group["variance_floor"], group.get("floor_z", 0.0) * ema_noise_sd(phi_hat, beta2, step))
+def _corrected(v: torch.Tensor, noise_avg_sq: float, group, beta2: float, step: int) -> torch.Tensor:
+    """max(v_hat - phi_hat, min(floor, v_hat)) with v_hat, phi_hat the bias-corrected averages at
+    ``step`` and floor = max(variance_floor, floor_z * ema_noise_sd(phi_hat, beta2, step)) (see
+    :class:`NoiseAwareAdamW`); v_hat itself where no noise was observed. A new tensor."""
+    bc2 = 1.0 - beta2 ** step
+    v_hat, phi_hat = v / bc2, noise_avg_sq / bc2
+    if phi_hat <= 0.0:
+        return v_hat
+    floor = max(group["variance_floor"], group.get("floor_z", 0.0) * ema_noise_sd(phi_hat, beta2, step))
+    return torch.maximum(v_hat - phi_hat, v_hat.clamp(max=floor))
