@@ -63,13 +63,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ratios = [int(r) for r in args.ratios.split(",")]
+    try:
+        ratios = [int(r) for r in args.ratios.split(",")]
+        configs = [(m, int(w), int(t)) for m, w, t in (cfg.split(":") for cfg in args.configs.split(","))]
+    except ValueError:
+        raise SystemExit("bench_ghost_ratio: --ratios are integers, --configs model:width:seq (comma-separated)") from None
+    bad = [m for m, _, _ in configs if m not in ("gpt2", "bert")]
+    if bad:
+        raise SystemExit(f"bench_ghost_ratio: --configs: unknown model {bad[0]!r} (gpt2 or bert)")
     print("uptime:", os.popen("uptime").read().strip(), f"| torch threads: {args.threads}", flush=True)
     print("| model | width | seq | plain ms | " + " | ".join(f"ratio {r}" for r in ratios) + " |")
     print("|---|---:|---:|---:|" + "---:|" * len(ratios), flush=True)
-    for cfg in args.configs.split(","):
-        model, width, seq = cfg.split(":")
-        row = run_config(model, int(width), int(seq), ratios, args.rounds, args.reps)
+    for model, width, seq in configs:
+        row = run_config(model, width, seq, ratios, args.rounds, args.reps)
         best = min(ratios, key=lambda r: row[r])
         cells = [f"**{row[r]:.2f}**" if r == best else f"{row[r]:.2f}" for r in ratios]
         print(f"| {model} | {width} | {seq} | {row['plain_ms']:.0f} | " + " | ".join(cells) + " |", flush=True)

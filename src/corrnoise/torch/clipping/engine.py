@@ -13,11 +13,11 @@ LoRA Embedding, uses its ParameterDicts' parameters in its own forward:
 user's ``loss.backward()``. ``clipped_sum`` then turns each call into per-parameter
 contributions (:mod:`.layers`), computes each example's squared norm per parameter by ghost
 norm or, where cheaper, by materializing that parameter alone (:func:`.formulas.use_ghost`:
-for dense factors ghost iff T^2 (P + Q) <= 32 P Q, the Gram matrices' multiply-adds against a
-materialized gradient's memory passes; materialized gradients are held for the clipped sum
-within a memory budget, :func:`_materialize_budget`), adds them over all parameters, clips
-with c_i = min(1, C / ||g_i||) (0 for a NaN/inf gradient) and forms sum_i c_i g_i by
-book-keeping from the same captured tensors.
+for dense factors ghost iff T^2 (P + Q) <= GHOST_RATIO P Q, the Gram matrices' multiply-adds
+against a materialized gradient's memory passes; materialized gradients are held for the
+clipped sum within a memory budget, :func:`_materialize_budget`), adds them over all
+parameters, clips with c_i = min(1, C / ||g_i||) (0 for a NaN/inf gradient) and forms
+sum_i c_i g_i by book-keeping from the same captured tensors.
 
 Book-keeping, not a second backward. A second backward on the reweighted loss sum_i c_i L_i
 needs either ``retain_graph=True`` in the user's backward or a second forward, and per-example
