@@ -209,6 +209,23 @@ def test_tied_embedding_head(rule, reduction):
     assert len(sums) == 3  # emb.weight once, ln.weight, ln.bias
 
 
+def test_tied_table_takes_the_dense_rule(monkeypatch):
+    """A table tied to an LM head (a dense use as well as the one-hot one) is ruled on by the dense
+    rule; an Embedding alone by the one-hot rule. The rule's argument is recorded per call."""
+    seen = []
+    real = engine_mod.use_ghost
+    monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: seen.append((p, q, one_hot))
+                        or real(t, p, q, one_hot))
+    x = torch.randint(0, 11, (5, 4))
+    for model, expected in ((Tied(), False), (nn.Sequential(nn.Embedding(11, 6), nn.Tanh()), True)):
+        seen.clear()
+        engine = ClippingEngine(model, loss_reduction="sum")
+        model(x).sum().backward()
+        engine.clipped_sum(5)
+        engine.detach()
+        assert [one_hot for p, q, one_hot in seen if (p, q) in ((11, 6), (6, 11))] == [expected]
+
+
 class TinyTransformer(nn.Module):
     def __init__(self, v=13, d=8, heads=2, tied=True):
         super().__init__()
@@ -849,3 +866,12 @@ def test_ghost_rule_boundary_is_the_calibrated_ratio():
     # width 512: 90^2 * 1024 = 8,294,400 <= 32 * 512^2 = 8,388,608 < 91^2 * 1024 = 8,479,744
     assert formulas.use_ghost(90, 512, 512) and not formulas.use_ghost(91, 512, 512)
     assert formulas.use_ghost(1, 4, 4)  # a Linear on (B, d): T = 1
+
+
+def test_one_hot_only_needs_a_one_hot_side_in_every_use():
+    from corrnoise.torch.clipping.formulas import OneHot, one_hot_only
+
+    dense = torch.zeros(2, 1, 3, 4)
+    table = OneHot(torch.zeros(2, 1, 3, dtype=torch.long), 5)
+    assert one_hot_only([(table, dense)]) and one_hot_only([(dense, table), (table, dense)])
+    assert not one_hot_only([(table, dense), (dense, dense)]) and not one_hot_only([(dense, dense)])

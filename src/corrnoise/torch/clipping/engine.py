@@ -96,7 +96,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, check_int, check_real
-from .formulas import OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, use_ghost
+from .formulas import (OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_only,
+                       use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, expand_shared_indices, fallback_handler, handler_for,
                      linear_handler, owned_parameters, takes_indices)
 
@@ -446,8 +447,7 @@ class ClippingEngine:
             if g_ok:
                 u0, v0 = fs[0]
                 t_total = sum(c[1].shape[2] for c in fs)
-                one_hot = any(isinstance(side, OneHot) for c in fs for side in c)
-                g_ok = use_ghost(t_total, u0.shape[-1], v0.shape[-1], one_hot)
+                g_ok = use_ghost(t_total, u0.shape[-1], v0.shape[-1], one_hot_only(fs))
                 if not g_ok:  # materialized gradients are held until the clipped sum: within the budget
                     size = b * p.numel() * torch.empty((), dtype=acc).element_size()
                     g_ok = held + size > budget

@@ -31,6 +31,7 @@ __all__ = [
     "OneHot",
     "GHOST_RATIO",
     "use_ghost",
+    "one_hot_only",
     "gram",
     "ghost_norm_sq",
     "bookkeeping_sum",
@@ -86,16 +87,25 @@ def use_ghost(total_t: int, p: int, q: int, one_hot: bool = False) -> bool:
     only T > 90 at width 512. The engine still takes the ghost norm where holding the materialized
     gradients would exceed its memory budget (:meth:`.engine.ClippingEngine.clipped_sum`).
 
-    ``one_hot`` (an Embedding side, P or Q = vocabulary size): the one-hot Gram matrix and the
-    book-keeping are gathers / ``index_add``, so the multiply-add count says nothing; the ghost norm
-    is kept iff 2 T^2 < P Q (the two Gram matrices smaller than one materialized table; measured
-    on GPT-2's 500 x 128 table, T = 64: ghost 0.8-1.7 ms, materialized 3 ms). T is the total number
-    of rows over every use of the parameter (a layer called twice, tied weights), since all uses
-    enter one Gram matrix.
+    ``one_hot`` (every use of the parameter has a one-hot side, :func:`one_hot_only`: an Embedding,
+    P or Q = vocabulary size): the one-hot Gram matrix and the book-keeping are gathers /
+    ``index_add``, so the multiply-add count says nothing; the ghost norm is kept iff 2 T^2 < P Q
+    (the two Gram matrices smaller than one materialized table; measured on GPT-2's 500 x 128
+    table, T = 64: ghost 0.8-1.7 ms, materialized 3 ms). A table with a dense use as well (tied
+    to an LM head) pays that use's dense Gram matrices and book-keeping product, so it follows
+    the dense rule. T is the total number of rows over every use of the parameter (a layer
+    called twice, tied weights), since all uses enter one Gram matrix.
     """
     if one_hot:
         return 2 * total_t * total_t < p * q
     return total_t * total_t * (p + q) <= GHOST_RATIO * p * q
+
+
+def one_hot_only(factors: list[tuple[object, torch.Tensor]]) -> bool:
+    """Whether every use (factor) of a parameter has a :class:`OneHot` side: the one-hot rule of
+    :func:`use_ghost` applies; a parameter with a dense use too (GPT-2's table tied to its LM head)
+    takes the dense rule, since that use's T^2 (P + Q) Gram matrices dominate its ghost norm."""
+    return all(isinstance(u, OneHot) or isinstance(v, OneHot) for u, v in factors)
 
 
 def gram(x, y) -> torch.Tensor:
