@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -321,9 +322,11 @@ def test_huge_gradient_is_clipped():
     assert diff <= 0.5 * (1 + 1e-9)
 
 
-def test_nan_example_contributes_zero():
+@pytest.mark.parametrize("shape", [(5, 4), (5, 3, 4)])
+def test_nan_example_contributes_zero(rule, shape):
+    # (5, 3, 4) forced to materialize: Linear(4, 8)'s (B, 8, 4) gradients are computed transposed
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    x = torch.randn(5, 4)
+    x = torch.randn(*shape)
     x[1, 0] = float("nan")
     eng = ClippingEngine(model, "sum", max_grad_norm=1.0)
     model(x).pow(2).sum().backward()
@@ -875,3 +878,41 @@ def test_one_hot_only_needs_a_one_hot_side_in_every_use():
     table = OneHot(torch.zeros(2, 1, 3, dtype=torch.long), 5)
     assert one_hot_only([(table, dense)]) and one_hot_only([(dense, table), (table, dense)])
     assert not one_hot_only([(table, dense), (dense, dense)]) and not one_hot_only([(dense, dense)])
+
+
+@pytest.mark.parametrize("p,q", [(3, 7), (7, 3), (5, 5)])
+def test_per_example_products_either_layout(p, q):
+    """u_i^T v_i per example against a loop of plain products, in both of its layouts (P > Q comes
+    back as a transposed view), and the engine's storage-order rows of it."""
+    from corrnoise.torch.clipping.engine import _storage_rows
+    from corrnoise.torch.clipping.formulas import per_example_products
+
+    u, v = torch.randn(4, 6, p), torch.randn(4, 6, q)
+    got = per_example_products(u, v)
+    assert got.shape == (4, p, q)
+    for i in range(4):
+        _close(got[i], u[i].t() @ v[i], 1e-12)
+    rows, transposed = _storage_rows(got)
+    assert transposed == (p > q) and rows.shape == (4, p * q)
+    _close(rows.norm(dim=1), got.reshape(4, -1).norm(dim=1), 1e-12)
+
+
+def test_materialized_gradients_reuse_one_buffer_between_steps(monkeypatch):
+    """On CPU the materialized gradients of every step go into the same workspace (no fresh large
+    allocation per step), and each step's result is still exact (the second step after the first
+    has left its numbers there)."""
+    monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: False)
+    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 4))
+    twin = copy.deepcopy(model)  # the reference, outside the engine's hooks
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1e9)
+    ptrs = []
+    for seed in (1, 2):
+        x = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(seed))
+        model(x).sin().sum().backward()
+        sums, _ = eng.clipped_sum(5)
+        eng.clear()
+        ptrs.append(eng._workspace.data_ptr())
+        ref = torch.autograd.grad(twin(x).sin().sum(), list(twin.parameters()))
+        for s, r in zip(sums, ref):  # clip norm 1e9: no clipping, the plain gradient
+            _close(s, r, 1e-10)
+    assert ptrs[0] == ptrs[1]
