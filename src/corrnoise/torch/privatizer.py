@@ -32,7 +32,8 @@ def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], c
     for s, z in zip(sums, noise):
         if tuple(s.shape) != tuple(z.shape):
             raise CorrnoiseError("grads", f"gradient of shape {tuple(s.shape)} does not match noise {tuple(z.shape)}")
-        out.append((s + z.to(dtype=s.dtype, device=s.device) * clip_norm) / expected_batch_size)
+        # one temporary, not three: s + zeta z, then divided in place
+        out.append(torch.add(s, z.to(dtype=s.dtype, device=s.device), alpha=clip_norm).div_(expected_batch_size))
     return out
 
 
