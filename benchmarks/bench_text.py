@@ -599,15 +599,20 @@ def selection_table(records: list[dict]) -> str:
     """Rates chosen on the validation split, then scored on test: per pipeline, optimizer, variant
     and epsilon, the validation accuracy of each rate tried (mean over its validation seeds), the
     rate with the best one, and the test accuracy of the test-split runs at that rate (mean,
-    range, seeds; "-" until they have run)."""
+    range, seeds; "-" until they have run). A seed run again at the same rate counts once, by its
+    latest record (records are in the order they were run): a re-run after the planner's pick
+    changed replaces the run of the old pick."""
     val: dict = {}
-    test: dict = {}
+    latest: dict = {}
     for r in records:
         key = (r["pipeline"], optimizer_label(r), r["variant"], r["epsilon_target"])
         if is_validation(r):
             val.setdefault(key, {}).setdefault(r["lr"], []).append(r["validation_accuracy"])
         else:
-            test.setdefault(key + (r["lr"],), []).append(r)
+            latest[key + (r["lr"], r["seed"])] = r
+    test: dict = {}
+    for k, r in latest.items():
+        test.setdefault(k[:-1], []).append(r)
     order = {v: i for i, v in enumerate(VARIANTS)}
     lines = ["| pipeline | optimizer | variant | epsilon | validation acc. per lr | chosen lr | test acc. (mean) | "
              "range | seeds |", "|---|---|---|---:|---|---:|---:|---|---|"]

@@ -87,3 +87,13 @@ def test_rates_are_chosen_on_validation_and_scored_on_test(bt):
     # ties go to the smaller rate
     tie = [val_row("auto", 3.0, 0, 0.4, 1e-1), val_row("auto", 3.0, 0, 0.4, 1e-2)]
     assert "| 0.01: 40.0, 0.1: 40.0 | 0.01 |" in bt.selection_table(tie)
+
+
+def test_a_rerun_seed_replaces_its_earlier_test_run(bt):
+    """A seed scored again at the chosen rate (after the planner's pick changed) counts once, by
+    its latest record; the other seeds keep theirs."""
+    val = [val_row("auto", 8.0, 0, 0.45, 3e-2, pipeline="full")]
+    old = [row("auto", 8.0, s, a, 3e-2, "adamw", "full") for s, a in [(0, 0.10), (1, 0.20)]]
+    new = [row("auto", 8.0, 0, 0.40, 3e-2, "adamw", "full")]
+    text = bt.selection_table(val + old + new)
+    assert "| full | adamw | auto | 8 | 0.03: 45.0 | 0.03 | 30.0% | 20.0-40.0 | 0,1 |" in text
