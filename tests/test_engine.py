@@ -916,3 +916,21 @@ def test_materialized_gradients_reuse_one_buffer_between_steps(monkeypatch):
         for s, r in zip(sums, ref):  # clip norm 1e9: no clipping, the plain gradient
             _close(s, r, 1e-10)
     assert ptrs[0] == ptrs[1]
+
+
+@pytest.mark.parametrize("shape", [(7, 6), (7, 2, 3)])
+def test_materialize_writes_into_the_workspace(shape):
+    """A single dense use with P > Q is written into ``out``: transposed for a matrix parameter
+    (the engine reads its (B, Q, P) storage as rows, ``_storage_rows``), in (B, P, Q) order for a
+    convolution's shape, whose transposed view no reshape to (B, N) rows could take without a
+    copy; either way the values are u_i^T v_i."""
+    from corrnoise.torch.clipping.engine import _storage_rows
+    from corrnoise.torch.clipping.formulas import materialize
+
+    u, v = torch.randn(4, 1, 5, 7), torch.randn(4, 1, 5, 6)
+    out = torch.empty(4 * 42)
+    full = materialize([(u, v)], shape, out)
+    assert full.shape == (4, *shape) and full.data_ptr() == out.data_ptr()
+    assert _storage_rows(full)[0].data_ptr() == out.data_ptr()  # rows without a copy
+    for i in range(4):
+        _close(full[i].reshape(7, 6), u[i, 0].t() @ v[i, 0], 1e-12)

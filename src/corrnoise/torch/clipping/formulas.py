@@ -211,7 +211,9 @@ def materialize(factors: list[tuple[object, torch.Tensor]], shape, out: torch.Te
 
 def _materialize_use(u, v, shape, out: torch.Tensor | None, transposed: bool = True) -> torch.Tensor:
     """One use's (B, *shape) per-example gradients, written into ``out`` where its dtype fits;
-    ``transposed``: the layout of :func:`per_example_products` may be taken."""
+    ``transposed``: the layout of :func:`per_example_products` may be taken (only for a matrix
+    parameter: a convolution's (B, out, in, k...) view of a transposed product has no (B, N) rows
+    in storage order, so the engine's norm and weighted sum would each copy it)."""
     if isinstance(v, OneHot):  # one-hot column side: the one-hot row rule, transposed
         b, g = u.shape[:2]
         return _materialize_use(v, u, (g, v.size, u.shape[-1]), out).transpose(-1, -2).reshape(b, *shape)
@@ -223,7 +225,7 @@ def _materialize_use(u, v, shape, out: torch.Tensor | None, transposed: bool = T
              else out.view(b * g * u.size, q).zero_())
         _one_hot_rows_add(s, u, v)
     elif g == 1:
-        s = per_example_products(u[:, 0], v[:, 0], out, transposed).unsqueeze(1)
+        s = per_example_products(u[:, 0], v[:, 0], out, transposed and len(shape) == 2).unsqueeze(1)
     else:
         s = torch.einsum("bgtp,bgtq->bgpq", u, v)
     return s.reshape(b, *shape)
