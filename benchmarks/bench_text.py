@@ -600,8 +600,8 @@ def selection_table(records: list[dict]) -> str:
     and epsilon, the validation accuracy of each rate tried (mean over its validation seeds), the
     rate with the best one, and the test accuracy of the test-split runs at that rate (mean,
     range, seeds; "-" until they have run). A seed run again at the same rate counts once, by its
-    latest record (records are in the order they were run): a re-run after the planner's pick
-    changed replaces the run of the old pick."""
+    latest record (records are in the order they were run), so that repeating a seed does not
+    weigh it twice."""
     val: dict = {}
     latest: dict = {}
     for r in records:

@@ -90,8 +90,8 @@ def test_rates_are_chosen_on_validation_and_scored_on_test(bt):
 
 
 def test_a_rerun_seed_replaces_its_earlier_test_run(bt):
-    """A seed scored again at the chosen rate (after the planner's pick changed) counts once, by
-    its latest record; the other seeds keep theirs."""
+    """A seed scored again at the chosen rate counts once, by its latest record; the other seeds
+    keep theirs."""
     val = [val_row("auto", 8.0, 0, 0.45, 3e-2, pipeline="full")]
     old = [row("auto", 8.0, s, a, 3e-2, "adamw", "full") for s, a in [(0, 0.10), (1, 0.20)]]
     new = [row("auto", 8.0, 0, 0.40, 3e-2, "adamw", "full")]
