@@ -385,6 +385,32 @@ def test_frozen_unreached_and_outside_use():
         eng.clipped_sum(3)
 
 
+def test_a_bias_used_outside_its_layer_is_refused_naming_it():
+    # biases are clipped side by side in one block (engine.SMALL_DENSE): its unclipped sums are
+    # checked against autograd's per parameter too
+    class BiasTwice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.fc(x) + self.fc.bias))
+
+    m = BiasTwice()
+    eng = ClippingEngine(m)
+    m(torch.randn(5, 3)).pow(2).mean().backward()
+    with pytest.raises(CorrnoiseError, match=r"parameter\(s\) fc\.bias: captured per-example gradients do not add up"):
+        eng.clipped_sum(5)
+
+
+@pytest.mark.parametrize("small", [0, 8192])
+def test_small_gradients_clipped_in_one_block_or_each_alone(small, monkeypatch):
+    # SMALL_DENSE = 0: every bias and norm-layer parameter on its own; 8192: all in one block
+    monkeypatch.setattr(engine_mod, "SMALL_DENSE", small)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 5), nn.GroupNorm(1, 5))
+    check_engine(model, torch.randn(7, 6))
+
+
 class _EmbedMLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -479,10 +479,20 @@ class ClippingEngine:
                         held += b * p.numel() * itemsize
             ghost.append(g_ok)
         space = self._workspace_for(held // itemsize, acc, dev)
+        # small dense-only gradients (biases, norm layers' affine) side by side in one (B, N) block:
+        # one norm and one weighted sum for all of them instead of a few small ops each
+        small = [i for i, p in enumerate(self.parameters) if not factors[i] and len(dense[i]) == 1
+                 and p.numel() <= SMALL_DENSE and dense[i][0].dtype == acc]
+        block = torch.cat([dense[i][0].reshape(b, -1) for i in small], dim=1) if small else None
+        if block is not None:
+            sq = sq + torch.linalg.vector_norm(block, dim=1).square()
+        in_block = set(small)
         for i, p in enumerate(self.parameters):
             fs, ds = factors[i], dense[i]
             if ghost[i]:
                 sq = sq + ghost_norm_sq(fs)
+                mats.append(None)
+            elif i in in_block:
                 mats.append(None)
             elif fs or ds:
                 out = space[offsets[i]:offsets[i] + b * p.numel()] if space is not None and i in offsets else None
@@ -508,6 +518,17 @@ class ClippingEngine:
         sums = []
         check = self.verify or not self._verified
         check_fail = []
+        block_sums: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if block is not None:
+            rows = block if all_finite else _zero_rows(block, finite)
+            s_all = torch.mv(rows.t(), w_raw.to(rows.dtype))
+            u_all = rows.sum(dim=0) if check and all_finite else None
+            start = 0
+            for i in small:
+                shape, n_i = self.parameters[i].shape, self.parameters[i].numel()
+                block_sums[i] = (s_all[start:start + n_i].view(shape),
+                                 None if u_all is None else u_all[start:start + n_i].view(shape))
+                start += n_i
         for i, p in enumerate(self.parameters):
             fs = factors[i]
             out_dtype = torch.promote_types(acc, p.dtype)
@@ -516,6 +537,8 @@ class ClippingEngine:
                     fs = [(_zero_rows(u, finite), _zero_rows(v, finite)) for u, v in fs]
                 s = bookkeeping_sum(fs, w_raw, p.shape)
                 unclipped = bookkeeping_sum(fs, torch.ones_like(w_raw), p.shape) if check and all_finite else None
+            elif i in block_sums:
+                s, unclipped = block_sums[i]
             elif mats[i] is not None:
                 full = mats[i] if all_finite else _zero_rows(mats[i], finite)
                 rows, transposed = _storage_rows(full)
@@ -553,6 +576,10 @@ def _in_backward() -> bool:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
+
+#: dense-only per-example gradients of at most this many numbers per example (biases, norm layers'
+#: affine parameters) are clipped together in one (B, N) block (:meth:`ClippingEngine.clipped_sum`)
+SMALL_DENSE = 8192
 
 #: the floor of the memory budget for materialized per-example gradients (bytes)
 MATERIALIZE_FLOOR_BYTES = 64 * 2 ** 20

@@ -111,6 +111,8 @@ def _input(args, kwargs, module: nn.Module) -> torch.Tensor:
 
 def call_batch_size(module: nn.Module, args, kwargs) -> int:
     """The batch size of one call: dim 0 of its first tensor input (inputs are batch-first)."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:  # the first leaf, without pytree's cost
+        return int(args[0].shape[0])
     for v in tree_flatten((args, kwargs))[0]:
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return int(v.shape[0])
