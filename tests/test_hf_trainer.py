@@ -6,6 +6,7 @@ one; GPT-2, BERT and LoRA. Tiny random-init models built from configs."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -115,10 +116,15 @@ def test_gradient_checkpointing_gives_the_update_without_it(tmp_path, reentrant)
     privacy = dict(PRIVACY, seed=3)
     plain = _trainer(tmp_path / "plain", privacy=privacy, max_steps=2)
     plain.train()
-    ckpt = _trainer(tmp_path / "ckpt", privacy=privacy, max_steps=2, gradient_checkpointing=True,
-                    gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    # transformers 5.x renamed the argument activation_checkpointing (the old name warns; v6 drops it)
+    params = inspect.signature(transformers.TrainingArguments).parameters
+    name = "activation_checkpointing" if "activation_checkpointing" in params else "gradient_checkpointing"
+    ckpt = _trainer(tmp_path / "ckpt", privacy=privacy, max_steps=2,
+                    **{name: True, f"{name}_kwargs": {"use_reentrant": reentrant}})
     ckpt.train()
-    assert ckpt.model.is_gradient_checkpointing
+    flag = "is_activation_checkpointing" if hasattr(type(ckpt.model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    assert getattr(ckpt.model, flag)
     for name, p in _params(ckpt.model).items():
         torch.testing.assert_close(p, _params(plain.model)[name], **TOL, msg=name)
 
@@ -418,6 +424,27 @@ def test_trl_sft_trainer_trains_privately(tmp_path):
     assert trainer.private_optimizer.steps_taken == 2
     assert trainer.state.log_history[0]["epsilon"] == trainer.privacy_spent().epsilon
     assert all(not torch.equal(p, before[n]) for n, p in _params(model).items() if "wte" in n)
+
+
+@seeded
+def test_trl_sft_with_gradient_checkpointing_is_the_same_run(tmp_path):
+    """SFTConfig turns gradient checkpointing on by default: the private run with it equals the
+    run without it (the engine counts each recomputed layer once)."""
+    from corrnoise.integrations import PrivateSFTTrainer
+
+    privacy = dict(PRIVACY, seed=3)
+    runs = []
+    for on in (False, True):
+        train, tokenizer, config = _sft_parts(tmp_path / str(on), gradient_checkpointing=on)
+        trainer = PrivateSFTTrainer(model=_gpt2(), args=config, train_dataset=train, processing_class=tokenizer,
+                                    privacy=privacy)
+        trainer.train()
+        flag = "is_activation_checkpointing" if hasattr(type(trainer.model), "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"
+        assert getattr(trainer.model, flag) is on
+        runs.append(_params(trainer.model))
+    for name, p in runs[1].items():
+        torch.testing.assert_close(p, runs[0][name], **TOL, msg=name)
 
 
 @pytest.mark.parametrize("setting", ["packing", "padding_free"])
