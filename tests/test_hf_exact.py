@@ -286,6 +286,15 @@ def _a_block_linear(model):
                 n.endswith("layer.0.intermediate.dense"))
 
 
+def _checkpointing_enable(model, reentrant: bool) -> None:
+    """transformers' gradient checkpointing on; the method is activation_checkpointing_enable in
+    transformers 5.x (gradient_checkpointing_enable warns there, and goes in v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_gradient_checkpointing_counts_each_activation_once(arch, reentrant):
@@ -295,7 +304,7 @@ def test_gradient_checkpointing_counts_each_activation_once(arch, reentrant):
     model, batch, losses_of = _model_and_batch(arch)
     grads = _one_at_a_time(model, batch, losses_of)
     clip = _clip_between(_norms(grads))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _checkpointing_enable(model, reentrant)
     model.train()  # checkpointing is active in train mode only; dropout is 0
     calls = _count_calls(_a_block_linear(model))
     held = {}
@@ -317,7 +326,7 @@ def test_gradient_checkpointing_with_lora_dropout(reentrant):
     model.train()
     grads, losses = _same_forward(model, _lm_batch(), _lm_losses, seed=3)
     clip = _clip_between(_norms(grads))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _checkpointing_enable(model, reentrant)
     model.train()
     calls = _count_calls(_a_block_linear(model))
     result = _engine(model, _lm_batch(), _lm_losses, clip, seed=3)

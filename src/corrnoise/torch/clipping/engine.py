@@ -57,7 +57,8 @@ must be used by broadcasting against the batch (``x + pos``), as transformers do
 reduces or indexes its batch dimension (``pos[0]``) would attribute gradients to the wrong
 examples.
 
-Gradient checkpointing (``model.gradient_checkpointing_enable()``, torch.utils.checkpoint)
+Gradient checkpointing (transformers' ``model.activation_checkpointing_enable()``, formerly
+``gradient_checkpointing_enable()``; torch.utils.checkpoint)
 runs a block's forward again during backward, so its hooks fire twice. Both forwards are
 captured like any call; a call contributes only through the grad outputs that reach its own
 output tensors, and the loss's gradient reaches exactly one of the two: the first forward's
