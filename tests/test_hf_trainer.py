@@ -230,6 +230,31 @@ def test_resumed_checkpoint_continues_the_noise_stream_and_the_sampler(tmp_path)
     assert math.isfinite(resumed.privacy_spent().epsilon)
 
 
+@seeded
+def test_a_lora_checkpoint_resumes_to_the_same_run(tmp_path):
+    """With peft the Trainer's checkpoint holds the adapters only; resumed from it, the run ends
+    with the adapters and guarantee of the uninterrupted run (the noise state covers only them)."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.get_peft_model(_gpt2(), peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=4,
+                                                             target_modules=["c_attn"], fan_in_fan_out=True))
+
+    privacy = dict(PRIVACY, batching="auto", seed=5)
+    straight = _trainer(tmp_path / "straight", model=lora(), privacy=privacy, max_steps=4)
+    straight.train()
+    _trainer(tmp_path / "run", model=lora(), privacy=privacy, max_steps=4, save_strategy="steps", save_steps=2).train()
+    resumed = _trainer(tmp_path / "run", model=lora(), privacy={k: v for k, v in privacy.items() if k != "seed"},
+                       max_steps=4)
+    resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-2"))
+    want = _params(straight.model)
+    adapters = [n for n, p in resumed.model.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n in adapters)
+    for name in adapters:
+        torch.testing.assert_close(_params(resumed.model)[name], want[name], **TOL, msg=name)
+    assert resumed.privacy_spent().epsilon == straight.privacy_spent().epsilon
+
+
 #: the 2-process run: bsr:2 keeps recent noise rows (sharded across the ranks), block-cyclic
 #: Poisson batches (the plan's batching for it) with a given sampler seed, float64 parameters
 DDP_PRIVACY = dict(PRIVACY, batching="auto", seed=5)
