@@ -29,6 +29,16 @@ PRIVACY = dict(mechanism="bsr:2", batching="cyclic", noise_multiplier=1.0, delta
 #: (~1e-7 relative), summed over a few steps
 TOL = dict(rtol=1e-5, atol=1e-6)
 seeded = pytest.mark.filterwarnings("ignore:a given seed fixes")
+#: TrainingArguments' checkpointing switch: transformers 5.x renamed gradient_checkpointing to
+#: activation_checkpointing (the old name warns there; v6 drops it)
+CKPT = ("activation_checkpointing" if "activation_checkpointing" in inspect.signature(transformers.TrainingArguments)
+        .parameters else "gradient_checkpointing")
+
+
+def _checkpointing_on(model) -> bool:
+    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    return bool(getattr(model, flag))
 
 
 def _gpt2():
@@ -116,15 +126,10 @@ def test_gradient_checkpointing_gives_the_update_without_it(tmp_path, reentrant)
     privacy = dict(PRIVACY, seed=3)
     plain = _trainer(tmp_path / "plain", privacy=privacy, max_steps=2)
     plain.train()
-    # transformers 5.x renamed the argument activation_checkpointing (the old name warns; v6 drops it)
-    params = inspect.signature(transformers.TrainingArguments).parameters
-    name = "activation_checkpointing" if "activation_checkpointing" in params else "gradient_checkpointing"
     ckpt = _trainer(tmp_path / "ckpt", privacy=privacy, max_steps=2,
-                    **{name: True, f"{name}_kwargs": {"use_reentrant": reentrant}})
+                    **{CKPT: True, f"{CKPT}_kwargs": {"use_reentrant": reentrant}})
     ckpt.train()
-    flag = "is_activation_checkpointing" if hasattr(type(ckpt.model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"
-    assert getattr(ckpt.model, flag)
+    assert _checkpointing_on(ckpt.model)
     for name, p in _params(ckpt.model).items():
         torch.testing.assert_close(p, _params(plain.model)[name], **TOL, msg=name)
 
@@ -432,7 +437,7 @@ def _sft_parts(tmp_path, **config):
         eos_token="t0")
     options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=0.05,
                    optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True,
-                   save_strategy="no", disable_tqdm=True, max_length=None, gradient_checkpointing=False)
+                   save_strategy="no", disable_tqdm=True, max_length=None, **{CKPT: False})
     options.update(config)
     return datasets.Dataset.from_dict({"input_ids": rows}), tokenizer, trl.SFTConfig(**options)
 
@@ -460,13 +465,11 @@ def test_trl_sft_with_gradient_checkpointing_is_the_same_run(tmp_path):
     privacy = dict(PRIVACY, seed=3)
     runs = []
     for on in (False, True):
-        train, tokenizer, config = _sft_parts(tmp_path / str(on), gradient_checkpointing=on)
+        train, tokenizer, config = _sft_parts(tmp_path / str(on), **{CKPT: on})
         trainer = PrivateSFTTrainer(model=_gpt2(), args=config, train_dataset=train, processing_class=tokenizer,
                                     privacy=privacy)
         trainer.train()
-        flag = "is_activation_checkpointing" if hasattr(type(trainer.model), "is_activation_checkpointing") \
-            else "is_gradient_checkpointing"
-        assert getattr(trainer.model, flag) is on
+        assert _checkpointing_on(trainer.model) is on
         runs.append(_params(trainer.model))
     for name, p in runs[1].items():
         torch.testing.assert_close(p, runs[0][name], **TOL, msg=name)
