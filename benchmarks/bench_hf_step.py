@@ -1,7 +1,13 @@
 """Seconds per step of Hugging Face models: a plain step vs make_private's, full fine-tuning and LoRA.
 
     PYTHONPATH=src python benchmarks/bench_hf_step.py [--reps 20] [--models gpt2,bert] [--batch 32] [--seq 64]
-        [--width 128] [--layers 2] [--bert-ffn 2]
+        [--width 128] [--layers 2] [--bert-ffn 2] [--vocab 500] [--device cpu] [--methods ...,opacus_ghost]
+
+GPT-2 small on a GPU against Opacus's ghost clipping (issue #27; 124M parameters with an untied head, see
+below):
+
+    PYTHONPATH=src python benchmarks/bench_hf_step.py --device cuda --models gpt2 --width 768 --layers 12 \
+        --vocab 50257 --batch 16 --seq 128 --reps 10 --rounds 2 --methods plain,private,opacus_ghost,lora_plain,lora_private
 
 GPT2LMHeadModel and BertForSequenceClassification built from configs (2 layers, width 128, 2 heads,
 BERT's intermediate size 2x the width unless ``--bert-ffn``,
@@ -19,6 +25,18 @@ attention projections: GPT-2's c_attn, BERT's query/key/value; BERT's classifier
 peft's SEQ_CLS default). Medians of ``reps`` steps after warmup, the methods interleaved in rounds
 (``bench_step.time_interleaved``) so that load from other processes hits all of them alike; the
 ``uptime`` load before and after.
+
+``opacus_ghost`` (GPT-2 only): Opacus's ghost clipping (``grad_sample_mode="ghost"``, same noise
+multiplier and clip norm, fixed batches) on the same model, the same per-sequence loss. Opacus 1.6.0
+refuses GPT2LMHeadModel as it is: tied input and output embeddings ("Parameter tying is not
+supported with Ghost Clipping"), and transformers' (1, L) position ids (its embedding rule stacks
+per-example tensors of batch size 1 and B; an expanded (B, L) view fails in its norm rule). With
+``opacus_ghost`` among the methods every GPT-2 model of the run is therefore built with an untied head
+and fed contiguous (B, L) ``position_ids``, so that all methods train the same model.
+
+``--device cuda``: everything on the GPU; each timed step ends with a synchronize, and the table gains,
+per method, the memory its model, optimizer and private state keep (``resident``) and the peak its
+step adds on top (``step peak``), from ``torch.cuda.memory_allocated`` / ``max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -36,13 +54,16 @@ from bench_step import time_interleaved  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SIGMA, CLIP, VOCAB = 1.0, 1.0, 500
-METHODS = ["plain", "private", "lora_plain", "lora_private"]
+METHODS = ["plain", "private", "lora_plain", "lora_private"]  # and opacus_ghost (GPT-2; see above)
 
 
 #: model size (``--width``, ``--layers``, ``--bert-ffn``: BERT's intermediate size as a multiple of
 #: the width; 2 in the tables of RESULTS.md, 4 in BERT's published configs; GPT-2's is 4): the
 #: defaults are the configs of the tables in RESULTS.md
 SIZE = {"width": 128, "layers": 2, "bert_ffn": 2}
+#: the run's settings beyond the model size: vocabulary, device, and whether GPT-2 is built for Opacus
+#: (untied head, explicit position ids: see the module docstring)
+RUN = {"vocab": VOCAB, "device": "cpu", "opacus": False}
 
 
 def make_model(name: str, lora: bool):
@@ -53,14 +74,17 @@ def make_model(name: str, lora: bool):
     torch.manual_seed(0)
     if name == "gpt2":
         w, n = SIZE["width"], SIZE["layers"]
-        cfg = transformers.GPT2Config(n_layer=n, n_embd=w, n_head=max(2, w // 64), vocab_size=VOCAB, n_positions=128,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(n_layer=n, n_embd=w, n_head=max(2, w // 64), vocab_size=RUN["vocab"],
+                                      n_positions=max(128, RUN.get("seq", 0)), resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                      tie_word_embeddings=not RUN["opacus"])
         model = transformers.GPT2LMHeadModel(cfg)
     elif name == "bert":
         w, n = SIZE["width"], SIZE["layers"]
         cfg = transformers.BertConfig(num_hidden_layers=n, hidden_size=w, num_attention_heads=max(2, w // 64),
                                       intermediate_size=SIZE["bert_ffn"] * w,
-                                      vocab_size=VOCAB, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                      vocab_size=RUN["vocab"], max_position_embeddings=max(128, RUN.get("seq", 0)),
+                                      hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, num_labels=3)
         model = transformers.BertForSequenceClassification(cfg)
     else:
@@ -74,19 +98,21 @@ def make_model(name: str, lora: bool):
             config = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=8, lora_alpha=16, lora_dropout=0.0,
                                      target_modules=["query", "key", "value"])
         model = peft.get_peft_model(model, config)
-    return model
+    return model.to(RUN["device"])
 
 
 def make_batch(name: str, b: int, seq: int) -> dict:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (b, seq), generator=g)
+    ids = torch.randint(1, RUN["vocab"], (b, seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if name == "gpt2":
         batch["labels"] = ids.clone()
+        if RUN["opacus"]:
+            batch["position_ids"] = torch.arange(seq).repeat(b, 1)
     else:
         batch["token_type_ids"] = torch.zeros_like(ids)
         batch["labels"] = torch.randint(0, 3, (b,), generator=g)
-    return batch
+    return {k: v.to(RUN["device"]) for k, v in batch.items()}
 
 
 def loss_fn(name: str):
@@ -99,9 +125,53 @@ def loss_fn(name: str):
     return lambda model, batch: model(**batch).loss
 
 
+class _Logits(torch.nn.Module):
+    """GPT-2 called positionally, logits out: what Opacus's make_private wraps."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+class _SequenceLoss(torch.nn.Module):
+    """Each sequence's mean next-token loss, then the batch mean (``reduction`` "none": per sequence),
+    as :func:`loss_fn`'s for GPT-2; Opacus's ghost clipping sets ``reduction`` to get per-example losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduction = "mean"
+
+    def forward(self, logits, labels):
+        tokens = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
+        per = tokens.sum(1) / (labels[:, 1:] != -100).sum(1)
+        return per.mean() if self.reduction == "mean" else per
+
+
+def make_opacus_step(model, batch, b: int):
+    from opacus import PrivacyEngine
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ids = batch["input_ids"].repeat(4, 1)  # the loader only sizes Opacus's sampling rate
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=b)
+    m, o, crit, _ = PrivacyEngine().make_private(module=_Logits(model), optimizer=opt, data_loader=loader,
+                                                 criterion=_SequenceLoss(), noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                                                 poisson_sampling=False, grad_sample_mode="ghost")
+
+    def step():
+        o.zero_grad(set_to_none=True)
+        crit(m(batch["input_ids"], batch["attention_mask"], batch["position_ids"]), batch["labels"]).backward()
+        o.step()
+    return step
+
+
 def make_step(name: str, method: str, b: int, seq: int):
     model = make_model(name, lora=method.startswith("lora"))
     batch, loss = make_batch(name, b, seq), loss_fn(name)
+    if method == "opacus_ghost":
+        return make_opacus_step(model, batch, b)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     if not method.endswith("private"):
         def step():
@@ -139,31 +209,71 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=SIZE["layers"])
     ap.add_argument("--bert-ffn", type=int, default=SIZE["bert_ffn"],
                     help="BERT's intermediate size / width (4 in BERT's own configs)")
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
     if args.bert_ffn < 1:
         raise SystemExit(f"--bert-ffn must be >= 1, got {args.bert_ffn}")
+    if args.vocab < 2:
+        raise SystemExit(f"--vocab must be >= 2, got {args.vocab}")
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS + ["opacus_ghost"]]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {','.join(unknown)} (known: {','.join(METHODS)},opacus_ghost)")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no GPU here")
+    if not cuda and args.device != "cpu":
+        raise SystemExit(f"--device must be cpu or cuda, got {args.device}")
     SIZE.update(width=args.width, layers=args.layers, bert_ffn=args.bert_ffn)
+    RUN.update(vocab=args.vocab, device=args.device, opacus="opacus_ghost" in methods, seq=args.seq)
     torch.set_num_threads(args.threads)
-    print("uptime:", os.popen("uptime").read().strip(), f"| torch threads: {args.threads}", flush=True)
+    where = torch.cuda.get_device_name() if cuda else f"torch threads: {args.threads}"
+    print("uptime:", os.popen("uptime").read().strip(), f"| {where}", flush=True)
     rows = []
+    gib = 2 ** 30
     for name in args.models.split(","):
-        methods = args.methods.split(",")
-        steps = {m: make_step(name, m, args.batch, args.seq) for m in methods}
+        ms = [m for m in methods if m != "opacus_ghost" or name == "gpt2"]  # Opacus is wired for GPT-2 only
+        steps, mem = {}, {}
+        for m in ms:
+            before = torch.cuda.memory_allocated() if cuda else 0
+            fn = make_step(name, m, args.batch, args.seq)
+            if cuda:
+                fn = _synchronized(fn)
+                fn()  # the private state a method allocates at its first step counts as resident
+                mem[m] = {"resident": (torch.cuda.memory_allocated() - before) / gib}
+            steps[m] = fn
         times = time_interleaved(steps, args.reps, rounds=args.rounds)
-        for m in methods:
+        for m in ms:
+            if cuda:  # the peak one step adds on top of what is allocated before it
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                steps[m]()
+                mem[m]["peak"] = (torch.cuda.max_memory_allocated() - base) / gib
             t, tmin = times[m]
-            rows.append({"model": name, "method": m, "s": t, "min": tmin})
+            rows.append({"model": name, "method": m, "s": t, "min": tmin, **mem.get(m, {})})
             print(f"  {name:5s} {m:13s} {t * 1e3:8.1f} ms (min {tmin * 1e3:.1f})", flush=True)
         del steps
     print("uptime:", os.popen("uptime").read().strip())
     print()
-    print(f"| model (batch {args.batch}, seq {args.seq}) | method | ms/step (median) | x its plain step | min ms | min x plain |")
-    print("|---|---|---:|---:|---:|---:|")
+    extra = " resident GiB | step peak GiB |" if cuda else ""
+    print(f"| model (batch {args.batch}, seq {args.seq}) | method | ms/step (median) | x its plain step | min ms | "
+          f"min x plain |{extra}")
+    print("|---|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
     for r in rows:
         base = next(q for q in rows if q["model"] == r["model"]
                     and q["method"] == ("lora_plain" if r["method"].startswith("lora") else "plain"))
+        tail = f" {r['resident']:.2f} | {r['peak']:.2f} |" if cuda else ""
         print(f"| {r['model']} | {r['method']} | {r['s'] * 1e3:.1f} | {r['s'] / base['s']:.2f} | "
-              f"{r['min'] * 1e3:.1f} | {r['min'] / base['min']:.2f} |")
+              f"{r['min'] * 1e3:.1f} | {r['min'] / base['min']:.2f} |{tail}")
+
+
+def _synchronized(fn):
+    """A GPU step that returns when its kernels have run (timings see the work, not the launch)."""
+    def step():
+        fn()
+        torch.cuda.synchronize()
+    return step
 
 
 if __name__ == "__main__":
