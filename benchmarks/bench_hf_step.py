@@ -24,7 +24,9 @@ mechanism's correlated noise, SGD step), and the same two on a LoRA model (peft,
 attention projections: GPT-2's c_attn, BERT's query/key/value; BERT's classifier head trains too,
 peft's SEQ_CLS default). Medians of ``reps`` steps after warmup, the methods interleaved in rounds
 (``bench_step.time_interleaved``) so that load from other processes hits all of them alike; the
-``uptime`` load before and after.
+``uptime`` load before and after. ``last loss``: each method's training loss at its last step; every
+step trains on the same batch, and every method takes the same number of steps, so the losses show
+that each method trains (the private ones with their noise, sigma = 1).
 
 ``opacus_ghost`` (GPT-2 only): Opacus's ghost clipping (``grad_sample_mode="ghost"``, same noise
 multiplier and clip norm, fixed batches) on the same model, the same per-sequence loss. Opacus 1.6.0
@@ -63,7 +65,7 @@ METHODS = ["plain", "private", "lora_plain", "lora_private"]  # and opacus_ghost
 SIZE = {"width": 128, "layers": 2, "bert_ffn": 2}
 #: the run's settings beyond the model size: vocabulary, device, and whether GPT-2 is built for Opacus
 #: (untied head, explicit position ids: see the module docstring)
-RUN = {"vocab": VOCAB, "device": "cpu", "opacus": False}
+RUN = {"vocab": VOCAB, "device": "cpu", "opacus": False, "seq": 0}
 
 
 def make_model(name: str, lora: bool):
@@ -75,7 +77,7 @@ def make_model(name: str, lora: bool):
     if name == "gpt2":
         w, n = SIZE["width"], SIZE["layers"]
         cfg = transformers.GPT2Config(n_layer=n, n_embd=w, n_head=max(2, w // 64), vocab_size=RUN["vocab"],
-                                      n_positions=max(128, RUN.get("seq", 0)), resid_pdrop=0.0, embd_pdrop=0.0,
+                                      n_positions=max(128, RUN["seq"]), resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                       tie_word_embeddings=not RUN["opacus"])
         model = transformers.GPT2LMHeadModel(cfg)
@@ -83,7 +85,7 @@ def make_model(name: str, lora: bool):
         w, n = SIZE["width"], SIZE["layers"]
         cfg = transformers.BertConfig(num_hidden_layers=n, hidden_size=w, num_attention_heads=max(2, w // 64),
                                       intermediate_size=SIZE["bert_ffn"] * w,
-                                      vocab_size=RUN["vocab"], max_position_embeddings=max(128, RUN.get("seq", 0)),
+                                      vocab_size=RUN["vocab"], max_position_embeddings=max(128, RUN["seq"]),
                                       hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, num_labels=3)
         model = transformers.BertForSequenceClassification(cfg)
@@ -151,7 +153,10 @@ class _SequenceLoss(torch.nn.Module):
 
 
 def make_opacus_step(model, batch, b: int):
-    from opacus import PrivacyEngine
+    try:
+        from opacus import PrivacyEngine
+    except ImportError:
+        raise SystemExit("--methods opacus_ghost needs opacus (pip install 'corrnoise[opacus]')") from None
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ids = batch["input_ids"].repeat(4, 1)  # the loader only sizes Opacus's sampling rate
@@ -162,7 +167,8 @@ def make_opacus_step(model, batch, b: int):
 
     def step():
         o.zero_grad(set_to_none=True)
-        crit(m(batch["input_ids"], batch["attention_mask"], batch["position_ids"]), batch["labels"]).backward()
+        step.loss = crit(m(batch["input_ids"], batch["attention_mask"], batch["position_ids"]), batch["labels"])
+        step.loss.backward()
         o.step()
     return step
 
@@ -176,7 +182,8 @@ def make_step(name: str, method: str, b: int, seq: int):
     if not method.endswith("private"):
         def step():
             opt.zero_grad(set_to_none=True)
-            loss(model, batch).backward()
+            step.loss = loss(model, batch)
+            step.loss.backward()
             opt.step()
         return step
 
@@ -190,7 +197,8 @@ def make_step(name: str, method: str, b: int, seq: int):
     def step():
         # the batch the private loader would yield for this step (fetching excluded, as for plain)
         dp_opt.context.current_step, dp_opt.context.size = dp_opt.steps_taken, b
-        loss(model, batch).backward()
+        step.loss = loss(model, batch)
+        step.loss.backward()
         dp_opt.step()
         dp_opt.zero_grad(set_to_none=True)
     return step
@@ -234,10 +242,10 @@ def main() -> None:
     gib = 2 ** 30
     for name in args.models.split(","):
         ms = [m for m in methods if m != "opacus_ghost" or name == "gpt2"]  # Opacus is wired for GPT-2 only
-        steps, mem = {}, {}
+        steps, mem, raw = {}, {}, {}
         for m in ms:
             before = torch.cuda.memory_allocated() if cuda else 0
-            fn = make_step(name, m, args.batch, args.seq)
+            fn = raw[m] = make_step(name, m, args.batch, args.seq)
             if cuda:
                 fn = _synchronized(fn)
                 fn()  # the private state a method allocates at its first step counts as resident
@@ -251,21 +259,22 @@ def main() -> None:
                 steps[m]()
                 mem[m]["peak"] = (torch.cuda.max_memory_allocated() - base) / gib
             t, tmin = times[m]
-            rows.append({"model": name, "method": m, "s": t, "min": tmin, **mem.get(m, {})})
-            print(f"  {name:5s} {m:13s} {t * 1e3:8.1f} ms (min {tmin * 1e3:.1f})", flush=True)
+            last = float(raw[m].loss.detach())  # the training loss of its last step (the same batch each step)
+            rows.append({"model": name, "method": m, "s": t, "min": tmin, "loss": last, **mem.get(m, {})})
+            print(f"  {name:5s} {m:13s} {t * 1e3:8.1f} ms (min {tmin * 1e3:.1f}) loss {last:.3f}", flush=True)
         del steps
     print("uptime:", os.popen("uptime").read().strip())
     print()
     extra = " resident GiB | step peak GiB |" if cuda else ""
     print(f"| model (batch {args.batch}, seq {args.seq}) | method | ms/step (median) | x its plain step | min ms | "
-          f"min x plain |{extra}")
-    print("|---|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
+          f"min x plain | last loss |{extra}")
+    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
     for r in rows:
         base = next(q for q in rows if q["model"] == r["model"]
                     and q["method"] == ("lora_plain" if r["method"].startswith("lora") else "plain"))
         tail = f" {r['resident']:.2f} | {r['peak']:.2f} |" if cuda else ""
         print(f"| {r['model']} | {r['method']} | {r['s'] * 1e3:.1f} | {r['s'] / base['s']:.2f} | "
-              f"{r['min'] * 1e3:.1f} | {r['min'] / base['min']:.2f} |{tail}")
+              f"{r['min'] * 1e3:.1f} | {r['min'] / base['min']:.2f} | {r['loss']:.3f} |{tail}")
 
 
 def _synchronized(fn):
