@@ -185,7 +185,8 @@ def make_step(model_name: str, method: str):
     if method == "plain":
         def step():
             opt.zero_grad(set_to_none=True)
-            ce(model(x), y).backward()
+            step.loss = ce(model(x), y)
+            step.loss.backward()
             opt.step()
         return step, model
 
@@ -207,7 +208,8 @@ def make_step(model_name: str, method: str):
 
         def step():
             o.zero_grad(set_to_none=True)
-            crit(m(x), y).backward()
+            step.loss = crit(m(x), y)
+            step.loss.backward()
             o.step()
         return step, m
 
@@ -239,7 +241,8 @@ def make_step(model_name: str, method: str):
         def step():
             # the batch the private loader would yield for this step (fetching excluded, as for the others)
             dp_opt.context.current_step, dp_opt.context.size = dp_opt.steps_taken, b
-            ce(model(x), y).backward()
+            step.loss = ce(model(x), y)
+            step.loss.backward()
             dp_opt.step()
             dp_opt.zero_grad(set_to_none=True)
         return step, model
@@ -250,7 +253,8 @@ def make_step(model_name: str, method: str):
 
         def step():
             opt.zero_grad(set_to_none=True)
-            ce(model(x), y).backward()
+            step.loss = ce(model(x), y)
+            step.loss.backward()
             sums, _ = engine.clipped_sum(b)
             engine.clear()
             release(sums)
@@ -364,7 +368,11 @@ def main() -> None:
         times = time_interleaved(steps, reps, rounds=args.rounds)
         for method in methods:
             t, tmin = times[method]
-            rows.append({"model": mname, "method": method, "s_per_step": t, "s_min": tmin})
+            # the training loss of its last step (fixed batch): absent where the method computes none
+            # outside torch.func (corrnoise_vmap, opake)
+            last = getattr(steps[method], "loss", None)
+            rows.append({"model": mname, "method": method, "s_per_step": t, "s_min": tmin,
+                         "loss": float("nan") if last is None else float(last.detach())})
             print(f"  {mname:7s} {method:20s} {t * 1e3:9.2f} ms (min {tmin * 1e3:.2f}, "
                   f"{-(-reps[method] // args.rounds) * args.rounds} timed steps)", flush=True)
         del steps
@@ -380,8 +388,8 @@ def main() -> None:
     print("uptime:", os.popen("uptime").read().strip())
     print()
     print("| model | method | ms/step (median) | x plain | x opacus ghost | min ms | min x plain | min x ghost "
-          "| peak RSS MB | RSS x ghost |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| peak RSS MB | RSS x ghost | last loss |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         base = {q["method"]: q for q in rows if q["model"] == r["model"]}
         plain = base.get("plain", {}).get("s_per_step", float("nan"))
@@ -391,7 +399,7 @@ def main() -> None:
               f"{r['s_per_step'] / ghost.get('s_per_step', float('nan')):.2f} | {r['s_min'] * 1e3:.1f} | "
               f"{r['s_min'] / base.get('plain', {}).get('s_min', float('nan')):.2f} | {r['s_min'] / ghost.get('s_min', float('nan')):.2f} | "
               f"{rss:.0f} | "
-              f"{rss / ghost.get('rss_mb', float('nan')):.2f} |")
+              f"{rss / ghost.get('rss_mb', float('nan')):.2f} | {r['loss']:.3f} |")
     if "mlp" in args.models.split(","):
         bk = bookkeeping_vs_backward(args.reps)
         print(f"\nBOOKKEEPING_VS_BACKWARD (mlp, batch 256): clipped_sum {bk['clipped_sum_s'] * 1e3:.2f} ms "
