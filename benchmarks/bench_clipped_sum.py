@@ -71,8 +71,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         child(args.reps)
         return
-    if args.procs < 1 or args.reps < 11:
-        raise SystemExit("--procs must be >= 1 and --reps >= 11")
+    if args.procs < 1 or args.reps < 11 or args.threads < 1:
+        raise SystemExit("--procs and --threads must be >= 1 and --reps >= 11")
     trees = args.src.split(",")
     for t in trees:
         if not os.path.isdir(os.path.join(t, "corrnoise")):
