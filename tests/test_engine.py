@@ -411,6 +411,57 @@ def test_small_gradients_clipped_in_one_block_or_each_alone(small, monkeypatch):
     check_engine(model, torch.randn(7, 6))
 
 
+class _SharedInput(nn.Module):
+    """One input read by three Linears (attention's query / key / value), then a head on another."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(width, 5), nn.Linear(width, 7, bias=False), nn.Linear(width, 5)
+        self.head = nn.Linear(17, 2)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.q(x), torch.tanh(self.k(x)), self.v(x).sin()], dim=-1))
+
+
+def _count_shared_products(monkeypatch) -> list[int]:
+    """Force every parameter to be materialized; record each shared-input product's group size."""
+    monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: False)
+    calls: list[int] = []
+    real = engine_mod.shared_input_products
+    monkeypatch.setattr(engine_mod, "shared_input_products",
+                        lambda us, v, out=None: calls.append(len(us)) or real(us, v, out))
+    return calls
+
+
+@pytest.mark.parametrize("width,max_rows,groups", [(16, 32, [3, 3]), (8, 32, []), (16, 6, [2, 2])])
+def test_linears_sharing_an_input_take_one_product(width, max_rows, groups, monkeypatch):
+    # q, k, v read the same captured input: one product for the three (both steps), exact against
+    # torch.func; an input narrower than GROUP_MIN_WIDTH keeps one product each, and k's 7 rows
+    # above GROUP_MAX_ROWS = 6 leave q and v a group of two
+    monkeypatch.setattr(engine_mod, "GROUP_MAX_ROWS", max_rows)
+    calls = _count_shared_products(monkeypatch)
+    check_engine(_SharedInput(width), torch.randn(5, 4, width))
+    assert calls == groups
+
+
+def test_a_nan_example_leaves_a_shared_input_group(monkeypatch):
+    # the group's rows of a non-finite example are zeroed like any materialized gradient's
+    calls = _count_shared_products(monkeypatch)
+    model = _SharedInput(16)
+    x = torch.randn(5, 3, 16)
+    x[1, 0, 0] = float("nan")
+    eng = ClippingEngine(model, "sum", max_grad_norm=1.0)
+    model(x).pow(2).sum().backward()
+    sums, norms = eng.clipped_sum(5)
+    assert not torch.isfinite(norms[1]) and all(bool(torch.isfinite(s).all()) for s in sums)
+    eng.clear()
+    model(torch.cat([x[:1], x[2:]])).pow(2).sum().backward()
+    ref, _ = eng.clipped_sum(4)
+    for s, r in zip(sums, ref):
+        _close(s, r, 1e-10)
+    assert calls == [3, 3]
+
+
 class _EmbedMLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -205,6 +205,23 @@ def test_lora_without_dropout_matches_one_example_at_a_time(arch):
     _compare(grads, _engine(model, batch, losses_of, clip), clip, RTOL)
 
 
+def test_lora_a_factors_on_one_input_share_a_product(monkeypatch):
+    # materialized (forced here; the rule's choice at longer sequences), the LoRA A factors of
+    # query and value read the same attention input: one product per layer and step, exact
+    from corrnoise.torch.clipping import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "use_ghost", lambda t, p, q, one_hot=False: False)
+    sizes: list[int] = []
+    real = engine_mod.shared_input_products
+    monkeypatch.setattr(engine_mod, "shared_input_products",
+                        lambda us, v, out=None: sizes.append(len(us)) or real(us, v, out))
+    model, batch = _lora(_bert(), BERT_TARGETS, 0.0), _cls_batch()
+    grads = _one_at_a_time(model, batch, _cls_losses)
+    clip = _clip_between(_norms(grads))
+    _compare(grads, _engine(model, batch, _cls_losses, clip), clip, RTOL)
+    assert sizes and set(sizes) == {2}  # query's and value's A, in each layer
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_lora_with_dropout_matches_autograd_on_the_same_masks(arch):
     if arch == "gpt2":

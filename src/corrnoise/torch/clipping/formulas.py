@@ -34,6 +34,7 @@ __all__ = [
     "one_hot_only",
     "gram",
     "ghost_norm_sq",
+    "shared_input_products",
     "bookkeeping_sum",
     "materialize",
     "clip_weights",
@@ -257,6 +258,16 @@ def per_example_products(u: torch.Tensor, v: torch.Tensor, out: torch.Tensor | N
         dst = None if out is None else out.view(b, q, p)
         return torch.bmm(v.transpose(1, 2), u, out=dst).transpose(1, 2)
     return torch.bmm(u.transpose(1, 2), v, out=None if out is None else out.view(b, p, q))
+
+
+def shared_input_products(us: list[torch.Tensor], v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, sum_k U_k, V): example i's per-example products u_k,i^T v_i of uses that share their
+    column side v (B, 1, T, V), stacked along the rows: [u_1 .. u_K]^T v = [u_1^T v; ..; u_K^T v]
+    per example, one batched product instead of K (rows k of the result are use k's (U_k, V)
+    gradient). ``us``: the (B, 1, T, U_k) row sides; ``out``: B * sum U_k * V contiguous numbers."""
+    stacked = torch.cat([u[:, 0] for u in us], dim=-1)
+    b, rows, cols = v.shape[0], stacked.shape[-1], v.shape[-1]
+    return torch.bmm(stacked.transpose(1, 2), v[:, 0], out=None if out is None else out.view(b, rows, cols))
 
 
 def clip_weights(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
