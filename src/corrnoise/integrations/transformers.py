@@ -53,10 +53,11 @@ What changes against the plain Trainer, and why:
 Refused, one line naming the argument, because they would look at the data outside the
 mechanism or break per-example clipping: ``group_by_length`` / a ``train_sampling_strategy``
 other than ``random``, ``neftune_noise_alpha``, ``label_smoothing_factor``,
-``compute_loss_func``, ``model_init``, ``auto_find_batch_size``, ``torch_compile``, gradient
-checkpointing, ``fp16`` (a loss scaler), DeepSpeed / FSDP, torch DataParallel over several GPUs in
-one process (``n_gpu``; use one process per GPU), an iterable ``train_dataset``, and a subclass
-that overrides the train sampler.
+``compute_loss_func``, ``model_init``, ``auto_find_batch_size``, ``torch_compile``,
+``fp16`` (a loss scaler), DeepSpeed / FSDP, torch DataParallel over several GPUs in one process
+(``n_gpu``; use one process per GPU), an iterable ``train_dataset``, and a subclass that
+overrides the train sampler. Activation (gradient) checkpointing and ``bf16`` are not refused:
+the clipping engine is exact under both (tests/test_hf_trainer.py, tests/test_hf_exact.py).
 """
 
 from __future__ import annotations
