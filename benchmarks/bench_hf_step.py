@@ -1,6 +1,6 @@
 """Seconds per step of Hugging Face models: a plain step vs make_private's, full fine-tuning and LoRA.
 
-    PYTHONPATH=src python benchmarks/bench_hf_step.py [--reps 20] [--models gpt2,bert] [--batch 32] [--seq 64]
+    PYTHONPATH=src python benchmarks/bench_hf_step.py [--reps 20] [--models gpt2,bert,llama] [--batch 32] [--seq 64]
         [--width 128] [--layers 2] [--bert-ffn 2] [--vocab 500] [--device cpu] [--methods ...,opacus_ghost]
 
 GPT-2 small on a GPU against Opacus's ghost clipping (issue #27; 124M parameters with an untied head, see
@@ -17,12 +17,16 @@ token_type_ids), fed as ``model(**batch)``. Loss: GPT-2, each sequence's next-to
 averaged over its own tokens, then over the batch (the per-example loss make_private needs; HF's
 built-in LM loss averages over the batch's tokens, see tests/test_transformers_models.py); BERT,
 its built-in classification loss (a mean of per-example losses). The same loss in the plain step.
+``llama`` (not in the default ``--models``): LlamaForCausalLM of the same width and depth, the
+family most fine-tuning uses today (Llama, Qwen2, Mistral): RMSNorm (transformers' own class, taken
+by the engine's torch.func fallback), rotary positions, grouped-query attention (half as many
+key/value heads), a gated MLP 3x the width, an untied head; GPT-2's loss.
 
 Methods: ``plain`` (forward, backward, SGD step), ``private`` (make_private, mechanism bsr:4,
 cyclic batching, noise_multiplier 1: hooks, clipped sum by ghost norm + book-keeping, the
 mechanism's correlated noise, SGD step), and the same two on a LoRA model (peft, r = 8 on the
 attention projections: GPT-2's c_attn, BERT's query/key/value; BERT's classifier head trains too,
-peft's SEQ_CLS default). Medians of ``reps`` steps after warmup, the methods interleaved in rounds
+peft's SEQ_CLS default; Llama's every projection, attention's and the MLP's). Medians of ``reps`` steps after warmup, the methods interleaved in rounds
 (``bench_step.time_interleaved``) so that load from other processes hits all of them alike; the
 ``uptime`` load before and after. ``last loss``: each method's training loss at its last step; every
 step trains on the same batch, and every method takes the same number of steps, so the losses show
@@ -63,6 +67,8 @@ METHODS = ["plain", "private", "lora_plain", "lora_private"]  # and opacus_ghost
 #: the width; 2 in the tables of RESULTS.md, 4 in BERT's published configs; GPT-2's is 4): the
 #: defaults are the configs of the tables in RESULTS.md
 SIZE = {"width": 128, "layers": 2, "bert_ffn": 2}
+#: the Llama-style model's gated MLP width as a multiple of its width (Llama's own is ~2.7x)
+LLAMA_FFN = 3
 #: the run's settings beyond the model size: vocabulary, device, and whether GPT-2 is built for Opacus
 #: (untied head, explicit position ids: see the module docstring)
 RUN = {"vocab": VOCAB, "device": "cpu", "opacus": False, "seq": 0}
@@ -89,13 +95,25 @@ def make_model(name: str, lora: bool):
                                       hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, num_labels=3)
         model = transformers.BertForSequenceClassification(cfg)
+    elif name == "llama":
+        w, n = SIZE["width"], SIZE["layers"]
+        heads = max(2, w // 64)
+        cfg = transformers.LlamaConfig(num_hidden_layers=n, hidden_size=w, num_attention_heads=heads,
+                                       num_key_value_heads=max(1, heads // 2), intermediate_size=LLAMA_FFN * w,
+                                       vocab_size=RUN["vocab"], max_position_embeddings=max(128, RUN["seq"]),
+                                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(cfg)
     else:
-        raise SystemExit(f"unknown model {name}")
+        raise SystemExit(f"unknown model {name} (gpt2, bert or llama)")
     if lora:
         import peft
         if name == "gpt2":
             config = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
                                      target_modules=["c_attn"], fan_in_fan_out=True)
+        elif name == "llama":
+            config = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
+                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"])
         else:
             config = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=8, lora_alpha=16, lora_dropout=0.0,
                                      target_modules=["query", "key", "value"])
@@ -107,9 +125,9 @@ def make_batch(name: str, b: int, seq: int) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, RUN["vocab"], (b, seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if name == "gpt2":
+    if name in ("gpt2", "llama"):
         batch["labels"] = ids.clone()
-        if RUN["opacus"]:
+        if RUN["opacus"] and name == "gpt2":
             batch["position_ids"] = torch.arange(seq).repeat(b, 1)
     else:
         batch["token_type_ids"] = torch.zeros_like(ids)
@@ -118,7 +136,7 @@ def make_batch(name: str, b: int, seq: int) -> dict:
 
 
 def loss_fn(name: str):
-    if name == "gpt2":
+    if name in ("gpt2", "llama"):
         def lm(model, batch):
             logits, labels = model(**batch).logits, batch["labels"]
             tokens = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")

@@ -34,6 +34,10 @@ RTOL = 1e-9
 #: HF's built-in LM loss casts the logits to float32 (``logits.float()``): float32 rounding 6e-8 through
 #: a softmax and a few hundred-term sums, ~1e-6; 1e-4 is a clear margin.
 RTOL_F32_LOSS = 1e-4
+#: transformers' LlamaRMSNorm normalizes in float32 whatever the model's dtype, and its mean over the
+#: last dimension rounds differently on a batch of one (another reduction order): float32's 6e-8
+#: through two layers, measured 1e-7 of the largest entry; 1e-6 still catches any wrong term (O(1))
+RTOL_F32_NORM = 1e-6
 
 V, L, B = 500, 12, 6
 LENGTHS = [12, 9, 5, 12, 3, 7]  # padding on the right of all but two examples
@@ -193,6 +197,38 @@ def test_gpt2_lora_clips_each_example_exactly():
 
 
 # ----------------------------------------------------------------------------------------------
+# Llama-style decoders (the Llama / Qwen2 / Mistral family): RMSNorm (transformers' own class, no rule
+# of ours: the torch.func fallback, per layer), rotary positions, grouped-query attention, a gated MLP
+# ----------------------------------------------------------------------------------------------
+def _llama(tie: bool, dtype=torch.float64):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=64,
+                                   tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_llama_full_fine_tuning_clips_each_example_exactly(tie):
+    from corrnoise.torch.clipping.layers import fallback_handler, handler_for
+
+    model = _llama(tie)
+    norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert len(norms) == 5 and all(handler_for(m) is fallback_handler for m in norms)
+    _check_exact(model, _lm_batch(), _lm_loss, RTOL_F32_NORM)
+
+
+def test_llama_lora_on_every_projection_clips_each_example_exactly():
+    # q/k/v's A factors share one input and gate/up's another (the engine's shared-input products)
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(_llama(False), config)
+    assert sum("lora_A" in n for n, p in model.named_parameters() if p.requires_grad) == 14
+    _check_exact(model, _lm_batch(), _lm_loss, RTOL_F32_NORM)
+
+
+# ----------------------------------------------------------------------------------------------
 # make_private end to end: a DataLoader over a list of dict examples, a collate that pads
 # ----------------------------------------------------------------------------------------------
 def _examples(n, labels: bool, seed=3):
@@ -239,6 +275,11 @@ def _train(model, loader, loss_of, steps, **kwargs):
     assert len(losses) == steps and all(math.isfinite(v) for v in losses)
     after = [p.detach() for p in model.parameters() if p.requires_grad]
     assert all(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_make_private_trains_llama_with_dpcgd():
+    loader = DataLoader(_examples(32, labels=False), batch_size=8, collate_fn=_pad_collate)
+    _train(_llama(True, torch.float32), loader, _lm_loss, steps=4, mechanism="dpcgd:0.9", batching="cyclic")
 
 
 def test_make_private_trains_gpt2_with_bsr():
