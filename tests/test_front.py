@@ -627,3 +627,44 @@ def test_resume_reuses_the_checkpoints_secret_sampler_seed():
     o2.load_state_dict(state)
     assert o2.sampler.seed == opt.sampler.seed and o2.steps_taken == 3  # ... gives way to the checkpoint's
     assert rest(m2, o2, l2) == after and len(after) == 5
+
+
+def _private(model, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(_data(64), batch_size=16)
+    return make_private(model, opt, loader, mechanism="identity", noise_multiplier=1.0, delta=1e-5, epochs=1,
+                        batching="cyclic", max_grad_norm=1.0, **kw)
+
+
+def test_make_private_again_on_the_same_model_takes_it_over():
+    # a notebook cell run again, a second PrivateTrainer, a second phase: the earlier engine's hooks
+    # would capture every batch too and refuse the second forward. The new run trains every step;
+    # the earlier optimizer refuses in one line
+    model = _mlp()
+    _, first, first_loader = _private(model)
+    _one_step(model, first, first_loader)
+    with pytest.warns(RuntimeWarning, match="already had a clipping engine"):
+        model2, second, loader = _private(model)
+    for x, y in loader:
+        nn.functional.cross_entropy(model2(x), y).backward()
+        second.step()
+        second.zero_grad()
+    assert second.steps_taken == second.steps == 4
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(CorrnoiseError, match="^engine: was detached: a later make_private .* took over this model"):
+        first.step()
+
+
+def test_engines_on_separate_layers_of_one_model_both_stay():
+    from corrnoise.torch.clipping import ClippingEngine
+
+    model = _mlp()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a, b = ClippingEngine(model[0]), ClippingEngine(model[2])
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    assert a.clipped_sum(5)[0][0].shape == (16, 8) and b.clipped_sum(5)[0][0].shape == (3, 16)
+    a.detach()
+    with pytest.raises(CorrnoiseError, match="^engine: was detached; attach a new one$"):
+        a.clipped_sum(5)

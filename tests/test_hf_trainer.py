@@ -396,6 +396,18 @@ def test_the_clip_norm_defaults_to_training_arguments_which_stay_unchanged(tmp_p
     assert args.max_grad_norm == 0.5 and not args.ignore_data_skip
 
 
+@seeded
+def test_a_second_trainer_on_the_same_model_trains(tmp_path):
+    # a notebook cell that builds the trainer run again: the first trainer's engine hands the model over
+    # (with a warning) instead of capturing the second run's batches too
+    model = _gpt2()
+    _trainer(tmp_path / "a", model=model).train()
+    second = _trainer(tmp_path / "b", model=model, max_steps=3)
+    with pytest.warns(RuntimeWarning, match="already had a clipping engine"):
+        second.train()
+    assert second.state.global_step == 3
+
+
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
     trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
     with pytest.raises(CorrnoiseError) as err:

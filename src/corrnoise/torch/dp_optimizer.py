@@ -151,6 +151,7 @@ class DPOptimizer(torch.optim.Optimizer):
                                          "make_private")
 
     def _check_step(self) -> None:
+        self.engine.check_attached()
         self._check_trainable()
         current = self.context.current_step
         if current is not None and current != self.steps_taken:

@@ -82,6 +82,10 @@ hooks or breaks the graph at them, and recompiles as the engine's state changes.
 speed-up: measured on CPU (tiny GPT-2, 1 thread, loaded machine) a compiled step with the engine
 took ~18 ms against ~12 ms eager.
 
+One engine per layer. A new engine on a model (or on layers) that an earlier engine hooks
+detaches the earlier one, with a warning; that one then refuses any use in one line
+(:meth:`ClippingEngine._take_over`). Engines on separate layers of one model coexist.
+
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
 transposed input of equal size is not detectable). A second batch (a forward after a backward,
 outside it) before ``clear()`` is refused. Fallback layers must be
@@ -99,13 +103,15 @@ writes.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...errors import CorrnoiseError, check_int, check_real
+from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from .formulas import (OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_only,
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, expand_shared_indices, fallback_handler, handler_for,
@@ -224,6 +230,8 @@ class ClippingEngine:
         self._prune_task: int | None = None  # the backward pass whose end drops unused recomputed calls
         self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
         self._workspace: torch.Tensor | None = None  # materialized gradients' storage (:meth:`_workspace_for`)
+        self._detached = self._superseded = False
+        self._take_over(module)
         self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
         for m, (handler, _) in self._owners.items():
             if takes_indices(handler):
@@ -234,6 +242,31 @@ class ClippingEngine:
             self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True))
         for i, p in enumerate(self.parameters):
             self._handles.append(p.register_hook(lambda g, i=i: self._param_hook(i, g)))
+
+    def _take_over(self, module: nn.Module) -> None:
+        """One live engine per layer: an earlier engine hooked on ``module`` or any of the layers this
+        one hooks (an earlier make_private on the same model: a notebook cell run again, a second
+        PrivateTrainer, a second phase of training) is detached first, with a warning, and refuses
+        any later use in one line. Two engines' hooks would otherwise both capture every batch, and
+        the earlier one, never stepped again, refuses the second forward."""
+        earlier = {id(e): e for m in [module, *self._owners] if (e := _LIVE.get(m)) is not None and not e._detached}
+        for old in earlier.values():
+            old.detach()
+            old._superseded = True
+        if earlier:
+            warnings.warn("this model already had a clipping engine from an earlier make_private (or ClippingEngine); "
+                          "it is detached, and the private optimizer that used it can no longer step",
+                          RuntimeWarning, stacklevel=user_stacklevel())
+        for m in [module, *self._owners]:
+            _LIVE[m] = self
+
+    def check_attached(self) -> None:
+        """One line if this engine was detached (by :meth:`detach`, or by a later engine on the same
+        model: :meth:`_take_over`)."""
+        if self._detached:
+            raise CorrnoiseError("engine", "was detached" + (
+                ": a later make_private (or ClippingEngine) took over this model; step the optimizer it returned"
+                if self._superseded else "; attach a new one"))
 
     # ------------------------------------------------------------------ hooks
     def _param_hook(self, i: int, g: torch.Tensor):
@@ -386,6 +419,10 @@ class ClippingEngine:
         self._handles.clear()
         self.clear()
         self._workspace = None
+        self._detached = True
+        for m in [self.module, *self._owners]:
+            if _LIVE.get(m) is self:
+                del _LIVE[m]
 
     def _workspace_for(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """``numel`` numbers for this clipped sum's materialized gradients, from one buffer kept
@@ -454,6 +491,7 @@ class ClippingEngine:
         C / ||g_i||), 0 for a non-finite gradient; ``weights`` (B,) in [0, 1] (0 = padding).
         Sums and norms are in float32 or wider. Parameters backward did not reach get zeros.
         """
+        self.check_attached()
         n = check_int("batch_size", batch_size, minimum=0)
         factors, dense, b, acc = self._contributions()
         for i in range(len(self.parameters)):
@@ -605,6 +643,9 @@ def _in_backward() -> bool:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
+
+#: the live engine of each hooked layer (and engine root module): :meth:`ClippingEngine._take_over`
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: dense-only per-example gradients of at most this many numbers per example (biases, norm layers'
 #: affine parameters) are clipped together in one (B, N) block (:meth:`ClippingEngine.clipped_sum`)
