@@ -668,3 +668,33 @@ def test_engines_on_separate_layers_of_one_model_both_stay():
     a.detach()
     with pytest.raises(CorrnoiseError, match="^engine: was detached; attach a new one$"):
         a.clipped_sum(5)
+
+
+def test_the_last_planned_step_gives_the_model_back_plain():
+    # after the run, forward and backward are a plain model's (every weight gradient, no capture);
+    # another step is refused as past the plan
+    model = _mlp()
+    model2, opt, loader = _private(model)
+    for x, y in loader:
+        nn.functional.cross_entropy(model2(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for _ in range(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(CorrnoiseError, match="^steps: all 4 planned steps are done"):
+        opt.step()
+    assert opt.privacy_spent().epsilon > 0
+
+
+def test_release_model_stops_a_run_early():
+    model = _mlp()
+    model2, opt, loader = _private(model)
+    _one_step(model2, opt, loader)
+    _one_step(model2, opt, loader)  # the step after the first (weight gradients out of autograd)
+    opt.release_model()
+    x, y = next(iter(DataLoader(_data(16), batch_size=16)))
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(CorrnoiseError, match="^engine: was detached: its private optimizer released the model"):
+        opt.step()

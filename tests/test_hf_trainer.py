@@ -397,13 +397,22 @@ def test_the_clip_norm_defaults_to_training_arguments_which_stay_unchanged(tmp_p
 
 
 @seeded
-def test_a_second_trainer_on_the_same_model_trains(tmp_path):
-    # a notebook cell that builds the trainer run again: the first trainer's engine hands the model over
-    # (with a warning) instead of capturing the second run's batches too
+def test_after_training_the_model_is_plain_again_and_a_second_trainer_trains_it(tmp_path):
+    # the engine's hooks leave the model when train() ends: a plain backward gives every weight
+    # gradient (a hooked layer's would be missing), and a trainer built again on it (a notebook
+    # cell run again, a second phase) trains without taking anything over
+    import warnings
+
     model = _gpt2()
     _trainer(tmp_path / "a", model=model).train()
+    model.zero_grad(set_to_none=True)
+    batch = {k: torch.stack([_Texts()[i][k] for i in range(4)]) for k in ("input_ids", "attention_mask", "labels")}
+    for _ in range(2):
+        model(**batch).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
     second = _trainer(tmp_path / "b", model=model, max_steps=3)
-    with pytest.warns(RuntimeWarning, match="already had a clipping engine"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*already had a clipping engine")
         second.train()
     assert second.state.global_step == 3
 

@@ -209,7 +209,11 @@ class PrivateTrainer(transformers.Trainer):
             if resume_from_checkpoint is None:
                 raise CorrnoiseError("resume_from_checkpoint", f"no checkpoint in {self.args.output_dir!r}")
         self._resume_dir = resume_from_checkpoint or None
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # also when interrupted: the model goes on as a plain one (its last planned step releases it too)
+            if self.private_optimizer is not None:
+                self.private_optimizer.release_model()
 
     def get_train_dataloader(self) -> DataLoader:
         """The private loader (see the module docstring); makes the optimizer private on first use."""

@@ -150,8 +150,16 @@ class DPOptimizer(torch.optim.Optimizer):
                                          "would reach the update unclipped and without noise; unfreeze it before "
                                          "make_private")
 
+    def release_model(self) -> None:
+        """Remove the clipping engine's hooks from the model: it is a plain model again (its forward
+        captures nothing, and backward gives every weight gradient, as without make_private). Done
+        by itself after the last planned step; call it to stop a run early and go on with the model
+        (plain fine-tuning, evaluation with gradients, a new make_private). This optimizer cannot
+        step afterwards; ``privacy_spent`` and ``state_dict`` still answer."""
+        if not self.engine._detached:
+            self.engine.detach(by="optimizer")
+
     def _check_step(self) -> None:
-        self.engine.check_attached()
         self._check_trainable()
         current = self.context.current_step
         if current is not None and current != self.steps_taken:
@@ -167,6 +175,7 @@ class DPOptimizer(torch.optim.Optimizer):
             raise CorrnoiseError(
                 "steps", f"the noise generator is at row {self.privatizer.step} but this is step {self.steps_taken}; "
                 "step t must add row t (a row used twice is reused noise)")
+        self.engine.check_attached()
 
     def _accumulate(self) -> None:
         """Add the clipped per-example sum of the micro-batch just back-propagated to the step's sum."""
@@ -228,6 +237,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.context.current_step = None
         self.steps_taken += 1
         self.context.next_step = self.steps_taken
+        if self.steps_taken >= self.steps:
+            self.release_model()  # the planned run is over: the model is a plain one again
         return loss
 
     def _report_nonfinite(self) -> None:

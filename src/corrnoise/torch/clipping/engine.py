@@ -84,7 +84,9 @@ took ~18 ms against ~12 ms eager.
 
 One engine per layer. A new engine on a model (or on layers) that an earlier engine hooks
 detaches the earlier one, with a warning; that one then refuses any use in one line
-(:meth:`ClippingEngine._take_over`). Engines on separate layers of one model coexist.
+(:meth:`ClippingEngine._take_over`). Engines on separate layers of one model coexist. The
+private optimizer detaches its engine after the run's last planned step
+(``DPOptimizer.release_model``): the model is a plain one again.
 
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
 transposed input of equal size is not detectable). A second batch (a forward after a backward,
@@ -230,7 +232,7 @@ class ClippingEngine:
         self._prune_task: int | None = None  # the backward pass whose end drops unused recomputed calls
         self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
         self._workspace: torch.Tensor | None = None  # materialized gradients' storage (:meth:`_workspace_for`)
-        self._detached = self._superseded = False
+        self._detached, self._detached_by = False, "user"
         self._take_over(module)
         self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
         for m, (handler, _) in self._owners.items():
@@ -251,8 +253,7 @@ class ClippingEngine:
         the earlier one, never stepped again, refuses the second forward."""
         earlier = {id(e): e for m in [module, *self._owners] if (e := _LIVE.get(m)) is not None and not e._detached}
         for old in earlier.values():
-            old.detach()
-            old._superseded = True
+            old.detach(by="later engine")
         if earlier:
             warnings.warn("this model already had a clipping engine from an earlier make_private (or ClippingEngine); "
                           "it is detached, and the private optimizer that used it can no longer step",
@@ -264,9 +265,7 @@ class ClippingEngine:
         """One line if this engine was detached (by :meth:`detach`, or by a later engine on the same
         model: :meth:`_take_over`)."""
         if self._detached:
-            raise CorrnoiseError("engine", "was detached" + (
-                ": a later make_private (or ClippingEngine) took over this model; step the optimizer it returned"
-                if self._superseded else "; attach a new one"))
+            raise CorrnoiseError("engine", "was detached" + _DETACHED_WHY[self._detached_by])
 
     # ------------------------------------------------------------------ hooks
     def _param_hook(self, i: int, g: torch.Tensor):
@@ -412,8 +411,10 @@ class ClippingEngine:
         self._backward_seen = False
         self._first_batch = self._root_batch = None
 
-    def detach(self) -> None:
-        """Remove every hook and captured tensor; the engine cannot be used afterwards."""
+    def detach(self, by: str = "user") -> None:
+        """Remove every hook and captured tensor; the engine cannot be used afterwards (``by``: who
+        detached it, for the one-line refusal of a later use: "user", "later engine", "optimizer")."""
+        self._detached_by = by
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -646,6 +647,13 @@ def _in_backward() -> bool:
 
 #: the live engine of each hooked layer (and engine root module): :meth:`ClippingEngine._take_over`
 _LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+#: the end of :meth:`ClippingEngine.check_attached`'s refusal, by who detached the engine
+_DETACHED_WHY = {
+    "user": "; attach a new one",
+    "later engine": ": a later make_private (or ClippingEngine) took over this model; step the optimizer it returned",
+    "optimizer": ": its private optimizer released the model (the planned run ended, or release_model())",
+}
 
 #: dense-only per-example gradients of at most this many numbers per example (biases, norm layers'
 #: affine parameters) are clipped together in one (B, N) block (:meth:`ClippingEngine.clipped_sum`)
