@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
+from corrnoise.errors import CorrnoiseError  # noqa: E402
 from corrnoise.torch import make_private  # noqa: E402
 from corrnoise.torch.clipping import ClippingEngine  # noqa: E402
 
@@ -291,3 +292,41 @@ def test_make_private_trains_gpt2_with_bsr():
 def test_make_private_trains_bert_with_dpsgd():
     loader = DataLoader(_examples(32, labels=True), batch_size=8, collate_fn=_pad_collate)
     _train(_bert(torch.float32), loader, _builtin_loss, steps=4, mechanism="identity", batching="poisson", seed=5)
+
+
+def _run_with_evaluations(evaluate: bool):
+    """Four private steps of GPT-2; with ``evaluate``, a forward of another batch size with gradients
+    on (an evaluation without torch.no_grad()) after each step."""
+    model = _gpt2(torch.float32)
+    loader = DataLoader(_examples(32, labels=False), batch_size=8, collate_fn=_pad_collate)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt, loader = make_private(model, opt, loader, delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0,
+                                      steps=4, noise_seed=0, seed=1, mechanism="bsr:4", batching="cyclic")
+    held_out = _lm_batch()  # 6 examples
+    for batch in loader:
+        _lm_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        if evaluate:
+            _lm_loss(model, held_out)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore:a given seed fixes")
+def test_an_evaluation_with_gradients_on_between_steps_changes_nothing():
+    # its captured calls get no gradient and contribute nothing; the next forward expands GPT-2's
+    # shared position ids to its own batch, not to the evaluation's
+    for a, b in zip(_run_with_evaluations(True), _run_with_evaluations(False)):
+        assert torch.equal(a, b)
+
+
+def test_a_forward_between_backward_and_step_is_one_line():
+    model = _gpt2(torch.float32)
+    loader = DataLoader(_examples(16, labels=False), batch_size=8, collate_fn=_pad_collate)
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.05), loader, delta=1e-5,
+                                      max_grad_norm=1.0, noise_multiplier=1.0, steps=2, noise_seed=0,
+                                      mechanism="identity", batching="cyclic")
+    batch = next(iter(loader))
+    _lm_loss(model, batch).backward()
+    with pytest.raises(CorrnoiseError, match="^engine: .*evaluate under torch.no_grad\\(\\), or after step\\(\\)$"):
+        _lm_loss(model, _lm_batch())

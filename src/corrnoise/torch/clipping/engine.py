@@ -57,8 +57,8 @@ called with indices (1, *S) (or (L,), L != B) while the batch has B examples is 
 with the indices expanded to (B, *S) (:func:`.layers.expand_shared_indices`, which states the
 rule): same output values, expanded to the batch, and the per-example grad outputs that the
 broadcast's backward would otherwise have summed over the batch. B is the batch dimension of the
-first hooked layer called in this batch, or, before any, dim 0 of the first tensor argument of
-the engine's module (``input_ids`` for ``model(**batch)``); a wrong guess (a model whose only
+first hooked layer called in this forward of the engine's module, or, before any, dim 0 of that
+forward's first tensor argument (``input_ids`` for ``model(**batch)``); a wrong guess (a model whose only
 hooked layer sees the shared indices and whose first argument is not batch-first) ends in the
 batch-dimension or ``batch_size`` refusal below, never in a silent mix. The expanded output
 must be used by broadcasting against the batch (``x + pos``), as transformers does; code that
@@ -308,8 +308,12 @@ class ClippingEngine:
         return None
 
     def _root_pre_hook(self, m: nn.Module, args, kwargs):
-        if self._root_batch is None and not self._computing and torch.is_grad_enabled():
+        """Each forward of the model (not a checkpointed block's recomputation during backward)
+        guesses the batch of shared indices afresh: a forward of another batch before it (an
+        evaluation with gradients on, between steps) does not decide its expansion."""
+        if not self._computing and torch.is_grad_enabled() and not _in_backward():
             self._root_batch = _first_dim(args, kwargs)
+            self._first_batch = None
         return None
 
     def _shared_indices_hook(self, m: nn.Module, args, kwargs):
@@ -361,7 +365,8 @@ class ClippingEngine:
         in_backward = _in_backward()
         if self._backward_seen and not in_backward:
             raise CorrnoiseError(
-                "engine", "forward pass after a backward pass without clipped_sum()/clear() (one batch per clipped sum)")
+                "engine", "a forward pass with gradients on after backward and before the optimizer's step (one batch "
+                "per step; engine: per clipped_sum()/clear()): evaluate under torch.no_grad(), or after step()")
         leaves = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         call = _Call(_detach_tree(tuple(args)), _detach_tree(dict(kwargs)), [(t, t._version) for t in leaves], len(outs))
         self._calls[m].append(call)
