@@ -366,7 +366,8 @@ class ClippingEngine:
         if self._backward_seen and not in_backward:
             raise CorrnoiseError(
                 "engine", "a forward pass with gradients on after backward and before the optimizer's step (one batch "
-                "per step; engine: per clipped_sum()/clear()): evaluate under torch.no_grad(), or after step()")
+                "per step; engine: per clipped_sum()/clear()): split a batch with make_private's "
+                "max_physical_batch_size, and evaluate under torch.no_grad() or after step()")
         leaves = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         call = _Call(_detach_tree(tuple(args)), _detach_tree(dict(kwargs)), [(t, t._version) for t in leaves], len(outs))
         self._calls[m].append(call)
