@@ -698,3 +698,24 @@ def test_release_model_stops_a_run_early():
     assert all(p.grad is not None for p in model.parameters())
     with pytest.raises(CorrnoiseError, match="^engine: was detached: its private optimizer released the model"):
         opt.step()
+
+
+def test_an_accelerate_loop_trains_with_the_private_loader():
+    # accelerate's prepare() of the model and optimizer keeps the run; a prepared copy of the loader
+    # loses the accounted batches and is refused in one line that says so
+    accelerate = pytest.importorskip("accelerate")
+    model = _mlp()
+    model2, opt, loader = _private(model)
+    acc = accelerate.Accelerator(cpu=True)
+    model2, opt_acc = acc.prepare(model2, opt)
+    for x, y in loader:
+        acc.backward(nn.functional.cross_entropy(model2(x), y))
+        opt_acc.step()
+        opt_acc.zero_grad()
+    assert opt.steps_taken == opt.steps == 4
+    model3, opt3, loader3 = _private(_mlp())
+    copied = acc.prepare(loader3)
+    x, y = next(iter(copied))
+    nn.functional.cross_entropy(model3(x), y).backward()
+    with pytest.raises(CorrnoiseError, match="^data_loader: .*accelerate's prepare\\(\\) makes, is not"):
+        opt3.step()

@@ -182,7 +182,8 @@ class DPOptimizer(torch.optim.Optimizer):
         size = self.context.size
         if size is None:
             raise CorrnoiseError("data_loader", "step() without a batch from the private data loader: iterate the "
-                                 "loader make_private returned (its batches are the accounted ones)")
+                                 "loader make_private returned (its batches are the accounted ones; a copy of it, "
+                                 "as accelerate's prepare() makes, is not: prepare the model and optimizer only)")
         if size == 0:  # an empty (Poisson) batch: its clipped sum is 0, whatever backward captured
             sums = [torch.zeros(p.shape, dtype=torch.promote_types(torch.float32, p.dtype), device=p.device)
                     for p in self.params]
