@@ -165,21 +165,42 @@ def test_gpt2_builtin_loss_with_num_items_in_batch_is_per_example():
     _check_exact(_gpt2(), _lm_batch(), loss, RTOL_F32_LOSS)
 
 
-def test_gpt2_builtin_lm_loss_scales_by_the_batch_token_count():
-    """The finding behind the module docstring: with HF's own loss the engine's per-example norm is
-    (B / N) ||grad S_b||, N the whole batch's labelled-token count, not a per-example quantity."""
+def test_gpt2_builtin_lm_loss_would_scale_by_the_batch_token_count_and_is_refused():
+    """The finding behind the module docstring: HF's own LM loss gives example b the gradient
+    (1 / N) grad S_b, N the whole batch's labelled-token count, so what "mean" would clip, B / N
+    grad S_b, is not a per-example quantity (the same example in a batch of longer sequences is
+    another gradient). The engine refuses the batch at its clipped sum when backward went through
+    that loss, in one line; labels passed but the loss taken from the logits (``_lm_loss``) are fine."""
     model, batch = _gpt2(), _lm_batch()
-    token_sum_norms = _norms(_per_example_grads(model, batch, _lm_token_sum))
     n_tokens = int((batch["labels"][:, 1:] != -100).sum())
-    _, norms = _engine_step(model, batch, _builtin_loss, clip=1.0)
-    _close(norms, B / n_tokens * token_sum_norms, RTOL_F32_LOSS)
-    # the same example in a batch whose other sequences are longer is clipped as a different gradient
-    longer = _lm_batch([LENGTHS[0]] + [L] * (B - 1))
+    # example 0's share of the batch loss's gradient is (1 / N) grad S_0, N over the whole batch
+    loss = _builtin_loss(model, batch)
+    share = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True,
+                                grad_outputs=None, allow_unused=True)
+    token_sums = _per_example_grads(model, batch, _lm_token_sum)
+    total = [sum(g[k] for g in token_sums) / n_tokens for k in range(len(token_sums[0]))]
+    for a, b in zip(share, total):
+        if a is not None:
+            _close(a, b, RTOL_F32_LOSS, max(float(t.abs().max()) for t in total))
+    longer = _lm_batch([LENGTHS[0]] + [L] * (B - 1))  # the same example 0 among longer sequences
     assert torch.equal(longer["input_ids"][0], batch["input_ids"][0])
-    _, norms_longer = _engine_step(model, longer, _builtin_loss, clip=1.0)
-    n_longer = int((longer["labels"][:, 1:] != -100).sum())
-    _close(norms_longer[:1], norms[:1] * n_tokens / n_longer, RTOL_F32_LOSS)
-    assert n_longer != n_tokens
+    assert int((longer["labels"][:, 1:] != -100).sum()) != n_tokens  # so its weight 1 / N would differ
+    eng = ClippingEngine(model, loss_reduction="mean", max_grad_norm=1.0)
+    try:
+        _builtin_loss(model, batch).backward()
+        with pytest.raises(CorrnoiseError, match=r"^loss: the model's built-in loss \(labels=\) averages over the "
+                                                 r"batch's labelled tokens.*num_items_in_batch=<batch size>"):
+            eng.clipped_sum(B)
+        eng.clear()
+        # the Trainer's num_items_in_batch (the batch's token count) is the same loss
+        model(**batch, num_items_in_batch=n_tokens).loss.backward()
+        with pytest.raises(CorrnoiseError, match="^loss: "):
+            eng.clipped_sum(B)
+        eng.clear()
+        _lm_loss(model, batch).backward()  # labels in the call, loss from the logits: accepted
+        assert eng.clipped_sum(B)[1].shape == (B,)
+    finally:
+        eng.detach()
 
 
 @pytest.mark.parametrize("token_types", [True, False], ids=["token_type_ids", "buffer_token_types"])

@@ -244,6 +244,10 @@ class ClippingEngine:
             self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True))
         for i, p in enumerate(self.parameters):
             self._handles.append(p.register_hook(lambda g, i=i: self._param_hook(i, g)))
+        self._token_loss_used = False
+        for sub in module.modules():
+            if _batch_token_loss(sub):
+                self._handles.append(sub.register_forward_hook(self._token_loss_hook, with_kwargs=True))
 
     def _take_over(self, module: nn.Module) -> None:
         """One live engine per layer: an earlier engine hooked on ``module`` or any of the layers this
@@ -384,6 +388,25 @@ class ClippingEngine:
                 o.register_hook(lambda g, call=call, k=k: self._grad_hook(call, k, g))
         return replaced
 
+    def _token_loss_hook(self, m: nn.Module, args, kwargs, output):
+        """A transformers model's built-in token-averaged loss (:func:`_batch_token_loss`) in its
+        output: if the user's backward goes through it, :meth:`clipped_sum` refuses the batch. Only
+        ``num_items_in_batch`` equal to the batch size makes it a sum of per-example losses."""
+        if self._computing or not torch.is_grad_enabled():
+            return None
+        loss, logits = getattr(output, "loss", None), getattr(output, "logits", None)
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return None
+        items = kwargs.get("num_items_in_batch")
+        if items is not None and isinstance(logits, torch.Tensor) and int(items) == logits.shape[0]:
+            return None
+        loss.register_hook(self._note_token_loss)
+        return None
+
+    def _note_token_loss(self, g):
+        self._token_loss_used = True
+        return None
+
     def _note_recomputed(self, m: nn.Module, call: _Call) -> None:
         """A call captured during backward (a checkpointed block's recomputation): dropped when that
         backward ends if no grad output reached it (non-reentrant checkpointing), so the engine does
@@ -415,6 +438,7 @@ class ClippingEngine:
         self._autograd.clear()
         self._recomputed.clear()
         self._backward_seen = False
+        self._token_loss_used = False
         self._first_batch = self._root_batch = None
 
     def detach(self, by: str = "user") -> None:
@@ -499,6 +523,11 @@ class ClippingEngine:
         Sums and norms are in float32 or wider. Parameters backward did not reach get zeros.
         """
         self.check_attached()
+        if self._token_loss_used:
+            raise CorrnoiseError(
+                "loss", "the model's built-in loss (labels=) averages over the batch's labelled tokens, so each "
+                "example's gradient would depend on the other examples' lengths: compute one loss per example from "
+                "out.logits (each sequence's mean token loss), or pass num_items_in_batch=<batch size> to the model")
         n = check_int("batch_size", batch_size, minimum=0)
         factors, dense, b, acc = self._contributions()
         for i in range(len(self.parameters)):
@@ -689,6 +718,27 @@ def _materialize_budget(factors, dense) -> int:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
     return max(total, MATERIALIZE_FLOOR_BYTES)
+
+
+#: transformers' built-in losses (``LOSS_MAPPING`` keys) that average over the batch's labelled tokens
+_TOKEN_LOSSES = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification", "ForConditionalGeneration")
+
+
+def _batch_token_loss(m: nn.Module) -> bool:
+    """Whether ``m`` is a transformers model whose built-in loss (``labels=``) is a mean over the
+    whole batch's labelled tokens: its ``loss_function`` is one of :data:`_TOKEN_LOSSES`'s (compared
+    as functions, not by the model's name). Such a loss weighs example i's token sum by 1 / N, N
+    counted over the batch, so what would be clipped as example i's gradient depends on the other
+    examples (tests/test_transformers_models.py). transformers is not imported here: only a module
+    whose class has a ``loss_function`` (its PreTrainedModel) is looked at."""
+    if not isinstance(getattr(type(m), "loss_function", None), property):
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        return any(m.loss_function is LOSS_MAPPING.get(k) for k in _TOKEN_LOSSES)
+    except ImportError:  # another transformers layout: nothing to refuse by
+        return False
 
 
 def _shared_input_groups(parameters, factors, offsets, acc) -> list[list[int]]:
