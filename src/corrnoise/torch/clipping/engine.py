@@ -443,7 +443,10 @@ class ClippingEngine:
 
     def detach(self, by: str = "user") -> None:
         """Remove every hook and captured tensor; the engine cannot be used afterwards (``by``: who
-        detached it, for the one-line refusal of a later use: "user", "later engine", "optimizer")."""
+        detached it, for the one-line refusal of a later use: "user", "later engine", "optimizer";
+        a second call changes nothing)."""
+        if self._detached:
+            return
         self._detached_by = by
         for h in self._handles:
             h.remove()
