@@ -250,6 +250,34 @@ def test_llama_lora_on_every_projection_clips_each_example_exactly():
     _check_exact(model, _lm_batch(), _lm_loss, RTOL_F32_NORM)
 
 
+def _t5():
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=V, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg).to(torch.float64)
+
+
+def _seq2seq_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"], decoder_input_ids=batch["labels"]).logits
+    return F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none").mean(1).mean()
+
+
+@pytest.mark.parametrize("batch_size", [4, L])
+def test_a_trainable_t5_position_bias_is_refused(batch_size):
+    # its call has no batch dimension: with B == L the query positions would pass for examples
+    model = _t5()
+    with pytest.raises(CorrnoiseError, match=r"^module: 'encoder\.block\.0\.layer\.0\.SelfAttention\."
+                                             r"relative_attention_bias' is a position bias shared by the whole batch"):
+        ClippingEngine(model)
+    for n, p in model.named_parameters():
+        if "relative_attention_bias" in n:
+            p.requires_grad_(False)
+    g = torch.Generator().manual_seed(4)
+    batch = {"input_ids": torch.randint(1, V, (batch_size, L), generator=g),
+             "labels": torch.randint(1, V, (batch_size, L), generator=g)}
+    _check_exact(model, batch, _seq2seq_loss, RTOL_F32_NORM)  # T5LayerNorm's variance is float32 too
+
+
 # ----------------------------------------------------------------------------------------------
 # make_private end to end: a DataLoader over a list of dict examples, a collate that pads
 # ----------------------------------------------------------------------------------------------

@@ -160,6 +160,20 @@ def _refusal(path: str, m: nn.Module) -> str | None:
     return None
 
 
+def _position_bias_table(m: nn.Module) -> nn.Embedding | None:
+    """T5-style relative attention (transformers' T5, mT5, LongT5, UMT5, ...): an Embedding
+    ``relative_attention_bias`` that the layer's ``compute_bias`` calls with (query, key) position
+    buckets of shape (L_q, L_k), without the batch, and adds to every example's attention scores.
+    Its gradient is the batch's sum, so no per-example gradient can be read from its call; with
+    B != L_q the call is refused as another batch size, with B == L_q the query positions would be
+    taken for examples (measured: per-example norms off by 3e-4 in float64). Recognized by that
+    structure (the child and the method), not by the class's name."""
+    table = getattr(m, "relative_attention_bias", None)
+    if isinstance(table, nn.Embedding) and callable(getattr(m, "compute_bias", None)):
+        return table
+    return None
+
+
 class ClippingEngine:
     """Hooks on ``module`` that give clipped per-example gradient sums after one backward.
 
@@ -201,6 +215,12 @@ class ClippingEngine:
             msg = _refusal(path, m)
             if msg is not None:
                 raise CorrnoiseError("module", msg)
+            table = _position_bias_table(m)
+            if table is not None and id(table.weight) in self._index:
+                raise CorrnoiseError(
+                    "module", f"'{path}.relative_attention_bias' is a position bias shared by the whole batch (T5-style "
+                    "relative attention): its gradient is the batch's sum, not one per example; freeze it "
+                    "(requires_grad_(False)) or train adapters (LoRA) instead")
             if any(path.startswith(pre + ".") for pre in opaque_prefixes):
                 continue
             if isinstance(m, OPAQUE_TYPES):
