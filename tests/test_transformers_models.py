@@ -197,7 +197,14 @@ def test_gpt2_builtin_lm_loss_would_scale_by_the_batch_token_count_and_is_refuse
         with pytest.raises(CorrnoiseError, match="^loss: "):
             eng.clipped_sum(B)
         eng.clear()
+        model(**batch, return_dict=False)[0].backward()  # the same loss as a tuple's first entry
+        with pytest.raises(CorrnoiseError, match="^loss: "):
+            eng.clipped_sum(B)
+        eng.clear()
         _lm_loss(model, batch).backward()  # labels in the call, loss from the logits: accepted
+        assert eng.clipped_sum(B)[1].shape == (B,)
+        eng.clear()
+        model(**batch, num_items_in_batch=B).loss.backward()  # a sum of per-example token sums: accepted
         assert eng.clipped_sum(B)[1].shape == (B,)
     finally:
         eng.detach()

@@ -415,6 +415,8 @@ class ClippingEngine:
         if self._computing or not torch.is_grad_enabled():
             return None
         loss, logits = getattr(output, "loss", None), getattr(output, "logits", None)
+        if isinstance(output, tuple) and kwargs.get("labels") is not None and len(output) > 1:  # return_dict=False
+            loss, logits = output[0], output[1]
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             return None
         items = kwargs.get("num_items_in_batch")
