@@ -160,6 +160,21 @@ def _refusal(path: str, m: nn.Module) -> str | None:
     return None
 
 
+def _outer_registrations(module: nn.Module) -> set[tuple[str, int]]:
+    """(module path, parameter id) of each parameter registered directly on a module and again on
+    one of its descendants: transformers' BertLMPredictionHead holds ``bias`` and its ``decoder``
+    Linear holds the same Parameter as its own bias, which only the Linear's forward adds. The
+    innermost registration owns it; the outer one would capture the same use a second time (the
+    first step's sum check against autograd refused that: 'do not add up'). An outer module that
+    also used it directly would leave that use uncaptured, which the same check refuses."""
+    paths: dict[int, list[str]] = {}
+    for path, m in module.named_modules(remove_duplicate=True):
+        for _, p in m.named_parameters(recurse=False):
+            paths.setdefault(id(p), []).append(path)
+    return {(path, pid) for pid, ps in paths.items() for path in ps
+            if any(other != path and (path == "" or other.startswith(path + ".")) for other in ps)}
+
+
 def _position_bias_table(m: nn.Module) -> nn.Embedding | None:
     """T5-style relative attention (transformers' T5, mT5, LongT5, UMT5, ...): an Embedding
     ``relative_attention_bias`` that the layer's ``compute_bias`` calls with (query, key) position
@@ -211,6 +226,7 @@ class ClippingEngine:
         self._paths: dict[nn.Module, str] = {}
         opaque_prefixes: list[str] = []
         claimed: set[int] = set()  # parameters owned by a module above (peft's LoRA Embedding's dicts)
+        outer = _outer_registrations(module)
         for path, m in module.named_modules(remove_duplicate=True):
             msg = _refusal(path, m)
             if msg is not None:
@@ -229,7 +245,8 @@ class ClippingEngine:
                 names = [n for n, _ in own]
                 handler = lambda mod, a, k, g, dt, _n=names: fallback_handler(mod, a, k, g, dt, names=_n)  # noqa: E731
             else:
-                own = [(n, p) for n, p in owned_parameters(m) if id(p) in self._index and id(p) not in claimed]
+                own = [(n, p) for n, p in owned_parameters(m)
+                       if id(p) in self._index and id(p) not in claimed and (path, id(p)) not in outer]
                 handler = handler_for(m)
             claimed.update(id(p) for n, p in own if "." in n)  # a shared parameter's direct owners all keep it
             if own:
