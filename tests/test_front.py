@@ -665,6 +665,8 @@ def test_engines_on_separate_layers_of_one_model_both_stay():
         a, b = ClippingEngine(model[0]), ClippingEngine(model[2])
     model(torch.randn(5, 8)).pow(2).mean().backward()
     assert a.clipped_sum(5)[0][0].shape == (16, 8) and b.clipped_sum(5)[0][0].shape == (3, 16)
+    with pytest.raises(CorrnoiseError, match="^by: must be one of 'user', 'later engine', 'optimizer', got 'me'$"):
+        a.detach(by="me")
     a.detach()
     with pytest.raises(CorrnoiseError, match="^engine: was detached; attach a new one$"):
         a.clipped_sum(5)

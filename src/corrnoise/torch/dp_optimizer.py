@@ -156,8 +156,7 @@ class DPOptimizer(torch.optim.Optimizer):
         by itself after the last planned step; call it to stop a run early and go on with the model
         (plain fine-tuning, evaluation with gradients, a new make_private). This optimizer cannot
         step afterwards; ``privacy_spent`` and ``state_dict`` still answer."""
-        if not self.engine._detached:
-            self.engine.detach(by="optimizer")
+        self.engine.detach(by="optimizer")  # a second call (an engine already detached) changes nothing
 
     def _check_step(self) -> None:
         self._check_trainable()

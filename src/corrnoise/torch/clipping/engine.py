@@ -149,8 +149,15 @@ def _detach_tree(obj):
     return obj
 
 
-def _refusal(path: str, m: nn.Module) -> str | None:
+def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
+    """Why ``m`` (at ``path``) cannot be clipped per example, if it cannot (``trainable``: ids of the
+    parameters the engine clips)."""
     name = path or "<root>"
+    table = _position_bias_table(m)
+    if table is not None and id(table.weight) in trainable:
+        return (f"'{path}.relative_attention_bias' is a position bias shared by the whole batch (T5-style relative "
+                "attention): its gradient is the batch's sum, not one per example; freeze it (requires_grad_(False)) "
+                "or train adapters (LoRA) instead")
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         return f"'{name}' ({type(m).__name__}) mixes examples (batch statistics); replace it with GroupNorm or LayerNorm"
     if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
@@ -228,15 +235,9 @@ class ClippingEngine:
         claimed: set[int] = set()  # parameters owned by a module above (peft's LoRA Embedding's dicts)
         outer = _outer_registrations(module)
         for path, m in module.named_modules(remove_duplicate=True):
-            msg = _refusal(path, m)
+            msg = _refusal(path, m, self._index)
             if msg is not None:
                 raise CorrnoiseError("module", msg)
-            table = _position_bias_table(m)
-            if table is not None and id(table.weight) in self._index:
-                raise CorrnoiseError(
-                    "module", f"'{path}.relative_attention_bias' is a position bias shared by the whole batch (T5-style "
-                    "relative attention): its gradient is the batch's sum, not one per example; freeze it "
-                    "(requires_grad_(False)) or train adapters (LoRA) instead")
             if any(path.startswith(pre + ".") for pre in opaque_prefixes):
                 continue
             if isinstance(m, OPAQUE_TYPES):
@@ -484,6 +485,8 @@ class ClippingEngine:
         """Remove every hook and captured tensor; the engine cannot be used afterwards (``by``: who
         detached it, for the one-line refusal of a later use: "user", "later engine", "optimizer";
         a second call changes nothing)."""
+        if by not in _DETACHED_WHY:
+            raise CorrnoiseError("by", f"must be one of {', '.join(map(repr, _DETACHED_WHY))}, got {by!r}")
         if self._detached:
             return
         self._detached_by = by
