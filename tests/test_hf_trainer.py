@@ -417,6 +417,31 @@ def test_after_training_the_model_is_plain_again_and_a_second_trainer_trains_it(
     assert second.state.global_step == 3
 
 
+def _gpt2_with_a_position_table():
+    """GPT-2 plus a trainable Linear called on a (L, d) table without the batch, its output added to
+    every example's embeddings: with batches of L examples the engine takes positions for examples."""
+    model = _gpt2()
+    model.transformer.extra = torch.nn.Linear(64, 64)
+    table = torch.randn(L, 64)
+    model.transformer.drop.register_forward_hook(lambda m, args, out: out + model.transformer.extra(table))
+    return model
+
+
+def test_the_first_batch_checks_per_example_attribution_before_any_noise(tmp_path):
+    trainer = _trainer(tmp_path, model=_gpt2_with_a_position_table(), per_device_train_batch_size=L)
+    with pytest.raises(CorrnoiseError, match="transformer.extra") as err:
+        trainer.train()
+    _one_line(err, "model")
+    assert trainer.private_optimizer.steps_taken == 0 and trainer.private_optimizer.privatizer.step == 0
+    plain = _trainer(tmp_path / "plain")
+    plain.train()
+    assert plain.attribution_report.worst < 0.1 and plain.attribution_report.batch_size == 4
+    unchecked = PrivateTrainer(model=_gpt2(), args=_args(tmp_path / "off"), train_dataset=_Texts(), privacy=PRIVACY,
+                               check_attribution=False)
+    unchecked.train()
+    assert unchecked.attribution_report is None and unchecked.private_optimizer.steps_taken == 2
+
+
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
     trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
     with pytest.raises(CorrnoiseError) as err:

@@ -25,6 +25,13 @@ What changes against the plain Trainer, and why:
   token loss, sequence classification its cross entropy (squared error for regression, binary
   cross entropy averaged over labels for multi-label). Override :meth:`PrivateTrainer.per_example_losses`
   for anything else. Evaluation uses the model's own loss, unchanged.
+* **Attribution check.** Before the first step's forward (also of a resumed run), the first
+  micro-batch is run once more in eval mode and up to 3 of its examples alone, and the clipping
+  engine's gradient of each must be autograd's gradient of that example's loss computed alone
+  (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`). A model with a layer that sees a
+  table of the batch's length instead of the batch, or a ``per_example_losses`` that mixes
+  examples, is refused in one line before any noise is added; no privacy is spent.
+  ``check_attribution=False`` skips it; ``trainer.attribution_report`` says what was compared.
 * **Clipping.** ``TrainingArguments.max_grad_norm`` never clips the raw gradients (the
   per-example clip of the mechanism is the privacy one); it is the default of
   ``privacy["max_grad_norm"]``. The logged ``grad_norm`` is the norm of the released (clipped,
@@ -160,13 +167,14 @@ class PrivateTrainer(transformers.Trainer):
     ``epsilon``, ``delta``, ``max_grad_norm``, ``batching``, ``noise_seed``,
     ``store_noise_seed``, ``nan_policy``, ...; unknown keys go to make_private as given) and/or
     ``plan`` (a :class:`~corrnoise.runplan.RunPlan`, which then decides the run; ``privacy``
-    holds only the keywords that do not plan, such as ``max_grad_norm`` and ``noise_seed``).
+    holds only the keywords that do not plan, such as ``max_grad_norm`` and ``noise_seed``);
+    ``check_attribution`` (default True: the first batch's per-example attribution check).
     See the module docstring for what changes against the Trainer and why. After (or during)
     ``train()``: ``trainer.private_optimizer`` (the :class:`~corrnoise.torch.DPOptimizer`),
     ``trainer.plan`` and ``trainer.privacy_spent()``."""
 
     def __init__(self, *args, privacy: PrivacyArguments | dict[str, Any] | None = None,
-                 plan: RunPlan | None = None, **kwargs):
+                 plan: RunPlan | None = None, check_attribution: bool = True, **kwargs):
         if not hasattr(transformers.Trainer, "loss_is_scaled_for_ga"):
             raise CorrnoiseError("transformers", f"version {transformers.__version__} is too old for PrivateTrainer "
                                  "(it needs Trainer.loss_is_scaled_for_ga, so that each micro-batch's loss reaches "
@@ -176,6 +184,8 @@ class PrivateTrainer(transformers.Trainer):
         self.private_optimizer: DPOptimizer | None = None
         self._resume_dir: str | None = None
         self._released_norm: float | None = None
+        self._attribution_pending = bool(check_attribution)
+        self.attribution_report = None
         super().__init__(*args, **kwargs)
         _refuse_trainer_settings(self)
         self.args = copy.copy(self.args)  # the settings below are this trainer's, not the caller's object's
@@ -323,10 +333,31 @@ class PrivateTrainer(transformers.Trainer):
         if micro.size == 0:
             loss = torch.zeros((), device=self.args.device)
         else:
+            if self._attribution_pending:
+                self._check_attribution(model, inputs)
             loss = super().training_step(model, inputs, *args, **kwargs)
         if micro.more:
             self.private_optimizer.step()  # mid logical batch: keeps the clipped sum, adds no noise
         return loss / self.args.gradient_accumulation_steps  # logged loss: the step's, as the Trainer's
+
+    def _check_attribution(self, model, inputs) -> None:
+        """Before the first step's forward (also of a resumed run): each example's gradient from
+        this micro-batch is its own (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`, with
+        :meth:`per_example_losses`, in eval mode). No privacy is spent; a model that fails it is
+        refused before any noise is added. ``check_attribution=False`` skips it."""
+        inputs = self._prepare_inputs(dict(inputs))
+        if "labels" not in inputs:
+            raise CorrnoiseError("train_dataset", "batches carry no 'labels': the private loss is computed per "
+                                 "example from them")
+        plain = self.accelerator.unwrap_model(model)
+
+        def per_example(batch):
+            outputs = plain(**{k: v for k, v in batch.items() if k != "labels"})
+            return self.per_example_losses(plain, outputs, batch["labels"])
+
+        autocast = torch.bfloat16 if self.args.bf16 else None  # accelerate's autocast wraps the model's forward
+        self.attribution_report = self.private_optimizer.check_attribution(per_example, inputs, compute_dtype=autocast)
+        self._attribution_pending = False
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """In training, the mean over the micro-batch of :meth:`per_example_losses`; in

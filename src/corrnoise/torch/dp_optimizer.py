@@ -158,6 +158,20 @@ class DPOptimizer(torch.optim.Optimizer):
         step afterwards; ``privacy_spent`` and ``state_dict`` still answer."""
         self.engine.detach(by="optimizer")  # a second call (an engine already detached) changes nothing
 
+    def check_attribution(self, per_example_loss, batch, *, examples: int = 3, compute_dtype=None):
+        """Check once, on a real batch, that the engine gives each example its own gradient:
+        ``per_example_loss(batch)`` returns one loss per example, shape (B,) (e.g. ``lambda b:
+        F.cross_entropy(model(b[0]), b[1], reduction="none")``). For ``examples`` of them the
+        engine's gradient from the whole batch is compared with autograd's gradient of that
+        example alone (:func:`corrnoise.torch.clipping.attribution.check_attribution`): a layer
+        that sees a table of the batch's length instead of the batch, or a loss that mixes
+        examples, is refused in one line. Spends no privacy and changes nothing; call it before a
+        step's forward (``PrivateTrainer`` does on its first batch); ``compute_dtype``
+        (``torch.bfloat16``) where the model's forward runs under autocast. Returns what it compared."""
+        from .clipping.attribution import check_attribution
+
+        return check_attribution(self.engine, per_example_loss, batch, examples=examples, compute_dtype=compute_dtype)
+
     def _check_step(self) -> None:
         self._check_trainable()
         current = self.context.current_step

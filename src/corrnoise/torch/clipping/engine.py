@@ -89,7 +89,9 @@ private optimizer detaches its engine after the run's last planned step
 (``DPOptimizer.release_model``): the model is a plain one again.
 
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
-transposed input of equal size is not detectable). A second batch (a forward after a backward,
+transposed input or a table of equal size called without the batch is not detectable here:
+:func:`.attribution.check_attribution` finds it on a real batch, and ``PrivateTrainer`` runs it on
+its first). A second batch (a forward after a backward,
 outside it) before ``clear()`` is refused. Fallback layers must be
 deterministic (no dropout inside them). A hook on an output that is a view would be lost if the
 view were later modified in place (``ReLU(inplace=True)`` after a Linear on (B, T, d)): a Linear's
@@ -105,6 +107,7 @@ writes.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Any
@@ -311,6 +314,8 @@ class ClippingEngine:
 
     # ------------------------------------------------------------------ hooks
     def _param_hook(self, i: int, g: torch.Tensor):
+        if self._computing:
+            return None
         self._reached.add(i)
         if self.verify or not self._verified:
             prev = self._autograd.get(i)
@@ -470,6 +475,20 @@ class ClippingEngine:
         return None
 
     # ------------------------------------------------------------------ API
+    @contextlib.contextmanager
+    def paused(self):
+        """Within it the hooks capture nothing and change nothing: the model runs as a plain one
+        (every weight gradient, shared indices broadcast as transformers does), for a reference
+        computation beside the engine's (:func:`.attribution.check_attribution`). What was
+        captured before stays."""
+        self.check_attached()
+        before = self._computing
+        self._computing = True
+        try:
+            yield self
+        finally:
+            self._computing = before
+
     def clear(self) -> None:
         """Drop captured activations and grad outputs (call after each clipped sum)."""
         for calls in self._calls.values():

@@ -1,0 +1,215 @@
+"""The per-example attribution self-test (corrnoise.torch.clipping.attribution): the engine's
+gradient of example j from one backward of the whole batch against autograd's gradient of
+example j's loss computed alone. It must refuse the two failures the engine's own checks cannot
+see (a table of the batch's length called without the batch; a loss that mixes examples), pass
+every supported model within its dtype's tolerance, and change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from corrnoise.errors import CorrnoiseError
+from corrnoise.torch import make_private
+from corrnoise.torch.clipping import ClippingEngine
+from corrnoise.torch.clipping.attribution import ATTRIBUTION_RTOL, check_attribution, example_of
+
+
+class _PositionTable(nn.Module):
+    """A model whose ``pos`` layer is called on a (L, d) table without the batch, its output added
+    to every example: with B == L the engine sees a batch of L rows there and takes positions for
+    examples (the T5 relative-bias hazard, in general form)."""
+
+    def __init__(self, length=6, d=4):
+        super().__init__()
+        self.emb, self.pos, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 1)
+        self.register_buffer("table", torch.randn(length, d))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x) + self.pos(self.table))).mean(dim=(1, 2))
+
+
+def _mlp(dropout=0.0):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(dropout), nn.Linear(8, 3)).double()
+
+
+def _one_line(err, param):
+    assert err.value.param == param and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_table_of_the_batch_length_called_without_the_batch_is_refused():
+    torch.manual_seed(0)
+    net = _PositionTable(length=6).double()
+    engine = ClippingEngine(net, "mean", 1.0)
+    x = torch.randn(6, 6, 4, dtype=torch.float64)  # B == L: the engine's batch-size check passes
+    with pytest.raises(CorrnoiseError, match="'pos.weight'|'pos.bias'") as err:
+        check_attribution(engine, lambda b: net(b).square(), x)
+    _one_line(err, "model")
+
+
+@settings(max_examples=15, deadline=None)
+@given(b=st.integers(2, 9), d=st.integers(1, 6), seed=st.integers(0, 2 ** 16))
+def test_a_position_table_is_refused_at_any_size_and_batch_first_layers_pass(b, d, seed):
+    """The same model, the table's layer called on the table (length b = the batch size: refused)
+    or on the batch (each example its own rows: passes), over sizes and initializations."""
+    torch.manual_seed(seed)
+    net = _PositionTable(length=b, d=d).double()
+    engine = ClippingEngine(net, "mean", 1.0)
+    x = torch.randn(b, b, d, dtype=torch.float64)
+    with pytest.raises(CorrnoiseError, match="'pos.weight'|'pos.bias'"):
+        check_attribution(engine, lambda v: net(v).square(), x, examples=b)
+    per_example = lambda v: net.head(torch.tanh(net.emb(v) + net.pos(v))).mean(dim=(1, 2)).square()  # noqa: E731
+    assert check_attribution(engine, per_example, x, examples=b).worst < 1e-6
+
+
+def test_a_loss_that_mixes_examples_is_refused():
+    net = _mlp()
+    engine = ClippingEngine(net, "mean", 1.0)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.arange(8) % 3
+
+    def batch_weighted(b):  # each loss reweighted by a softmax over the batch: example j's gradient depends on all
+        losses = F.cross_entropy(net(b[0]), b[1], reduction="none")
+        return losses * torch.softmax(losses, 0) * losses.numel()
+
+    with pytest.raises(CorrnoiseError, match="mixes examples") as err:
+        check_attribution(engine, batch_weighted, (x, y))
+    _one_line(err, "model")
+    report = check_attribution(engine, lambda b: F.cross_entropy(net(b[0]), b[1], reduction="none"), (x, y))
+    assert report.worst < 1e-3 and report.examples == [0, 4, 7] and report.batch_size == 8
+
+
+def test_the_check_changes_nothing_and_a_checked_run_is_the_same_run():
+    data = TensorDataset(torch.randn(64, 4, dtype=torch.float64), torch.randint(0, 3, (64,)))
+
+    def run(check: bool):
+        model = _mlp(dropout=0.5)
+        model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          DataLoader(data, batch_size=16), noise_multiplier=1.0, delta=1e-5, steps=4,
+                                          max_grad_norm=1.0, mechanism="bsr:2", batching="cyclic", noise_seed=0,
+                                          seed=0)  # the same cyclic order in both runs
+        torch.manual_seed(1)
+        for x, y in loader:
+            if check:
+                marker = [torch.full_like(p, 7.0) for p in model.parameters()]
+                for p, g in zip(model.parameters(), marker):
+                    p.grad = g
+                report = opt.check_attribution(lambda b: F.cross_entropy(model(b[0]), b[1], reduction="none"), (x, y))
+                assert report.worst < 1e-3
+                assert model.training and all(p.grad is g for p, g in zip(model.parameters(), marker))
+                assert not any(opt.engine._calls.values()) and not opt.engine._backward_seen
+                assert opt.steps_taken == 0 and opt.engine.max_grad_norm == 1.0
+                check = False
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)  # dropout's draws, the noise and the update: bit for bit
+
+
+def test_the_check_needs_an_engine_with_nothing_captured():
+    net = _mlp()
+    engine = ClippingEngine(net, "mean", 1.0)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.arange(4) % 3
+    F.cross_entropy(net(x), y).backward()
+    with pytest.raises(CorrnoiseError) as err:
+        check_attribution(engine, lambda b: F.cross_entropy(net(b[0]), b[1], reduction="none"), (x, y))
+    _one_line(err, "batch")
+
+
+def test_a_per_example_loss_of_the_wrong_shape_is_one_line():
+    net = _mlp()
+    engine = ClippingEngine(net, "mean", 1.0)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.arange(4) % 3
+    with pytest.raises(CorrnoiseError) as err:
+        check_attribution(engine, lambda b: F.cross_entropy(net(b[0]), b[1]), (x, y))  # the mean, not one per example
+    _one_line(err, "per_example_loss")
+    assert not any(engine._calls.values())
+    with pytest.raises(CorrnoiseError) as err:
+        check_attribution(engine, lambda b: F.cross_entropy(net(b[0]), b[1], reduction="none"), (x, y), examples=0)
+    _one_line(err, "examples")
+
+
+def test_example_of_cuts_every_batch_tensor_and_keeps_the_rest():
+    batch = {"x": torch.arange(12).reshape(4, 3), "table": torch.zeros(5, 2), "n": 3, "y": [torch.arange(4)]}
+    one = example_of(batch, 2, 4)
+    assert one["x"].tolist() == [[6, 7, 8]] and one["table"].shape == (5, 2) and one["n"] == 3
+    assert one["y"][0].tolist() == [2]
+
+
+# --- Hugging Face models: the check passes, with the margin measured ---------------------------
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+V, L = 200, 12
+LENGTHS = [12, 5, 9, 12, 3]
+
+
+def _padded():
+    g = torch.Generator().manual_seed(3)
+    mask = (torch.arange(L)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    ids = torch.randint(1, V, (len(LENGTHS), L), generator=g).masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "y": torch.arange(len(LENGTHS)) % 3}
+
+
+def _lm_losses(model):
+    def losses(b):
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        tokens = F.cross_entropy(logits.transpose(1, 2), b["input_ids"][:, 1:], reduction="none")
+        w = b["attention_mask"][:, 1:].to(tokens.dtype)
+        return (tokens * w).sum(1) / w.sum(1)
+    return losses
+
+
+def _cls_losses(model):
+    return lambda b: F.cross_entropy(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                     b["y"], reduction="none")
+
+
+def _hf(kind):
+    torch.manual_seed(0)
+    if kind in ("gpt2", "gpt2-lora"):
+        m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=V,
+                                                                 n_positions=16, bos_token_id=0, eos_token_id=0))
+        if kind == "gpt2-lora":
+            m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True))
+        return m, _lm_losses(m)
+    if kind in ("bert", "bert-lora"):
+        m = transformers.BertForSequenceClassification(transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=V,
+            max_position_embeddings=16, num_labels=3))
+        if kind == "bert-lora":
+            m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
+        return m, _cls_losses(m)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        vocab_size=V, max_position_embeddings=16))
+    return m, _lm_losses(m)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "gpt2-lora", "bert-lora"])
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out")
+def test_hugging_face_models_pass_with_room_to_spare(kind):
+    """float32 and bf16 autocast: at most a tenth of the tolerance (measured: float32 ~1e-6 against
+    1e-3, bf16 ~1e-2 against 0.1); float64 parameters get float32's tolerance (the Llama-style
+    model's RMSNorm computes in float32 whatever the parameters: ~1e-7 there). Dropout is on in the
+    configs: the check runs in eval mode, and the model's mode is restored."""
+    model, losses = _hf(kind)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = ClippingEngine(model, "mean", 1.0, parameters=trainable)
+    batch = _padded()
+    assert check_attribution(engine, losses, batch, examples=5).worst < 0.1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert check_attribution(engine, losses, batch, examples=5, compute_dtype=torch.bfloat16).worst < 0.1
+    assert model.training
+    model.double()
+    assert check_attribution(engine, losses, batch, examples=5).worst < (0.1 if kind == "llama" else 1e-6)
+    assert ATTRIBUTION_RTOL[torch.float64] == ATTRIBUTION_RTOL[torch.float32]
