@@ -68,6 +68,70 @@ def test_a_position_table_is_refused_at_any_size_and_batch_first_layers_pass(b, 
     assert check_attribution(engine, per_example, x, examples=b).worst < 1e-6
 
 
+class _Flattening(nn.Module):
+    """A Linear called on the batch flattened to (B*T, d), as OPT's decoder layers call their MLP:
+    example-major (rows b*T + t, what ``reshape`` of (B, T, d) gives) or token-major (rows t*B + b)."""
+
+    def __init__(self, order, d=3):
+        super().__init__()
+        self.order, self.lin, self.head = order, nn.Linear(d, d), nn.Linear(d, 1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        if self.order == "example-major":
+            h = self.lin(x.reshape(b * t, d)).reshape(b, t, d)
+        else:
+            h = self.lin(x.transpose(0, 1).reshape(t * b, d)).reshape(t, b, d).transpose(0, 1)
+        return self.head(torch.tanh(h)).mean(dim=(1, 2)).square()
+
+
+def test_rows_of_the_batch_flattened_are_clipped_once_the_check_verified_their_order():
+    torch.manual_seed(0)
+    net = _Flattening("example-major").double()
+    engine = ClippingEngine(net, "sum", 1e6)
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    net(x).sum().backward()
+    with pytest.raises(CorrnoiseError, match="check_attribution") as err:  # not verified yet: refused
+        engine.clipped_sum(4)
+    _one_line(err, "module")
+    engine.clear()
+    net(x[:1]).sum().backward()  # one example: every row is its own, nothing to verify
+    sums, _ = engine.clipped_sum(1)
+    with engine.paused():
+        ref = torch.autograd.grad(net(x[:1]).sum(), list(net.parameters()))
+    assert all(torch.allclose(s, r, rtol=1e-12, atol=0) for s, r in zip(sums, ref))
+    engine.clear()
+    report = check_attribution(engine, net, x)
+    assert report.flattened == ["lin"] and report.worst < 1e-6
+    net(x).sum().backward()
+    sums, norms = engine.clipped_sum(4)  # verified: read as (4, 5, 3), example-major
+    with engine.paused():
+        per = [torch.autograd.grad(net(x[i:i + 1]).sum(), list(net.parameters())) for i in range(4)]
+    for k, s in enumerate(sums):
+        assert torch.allclose(s, sum(g[k] for g in per), rtol=1e-12, atol=1e-15)
+    expect = torch.stack([torch.sqrt(sum(t.square().sum() for t in g)) for g in per])
+    assert torch.allclose(norms, expect, rtol=1e-12)
+
+
+def test_rows_flattened_in_another_order_or_a_table_of_twice_the_batch_fail_the_check():
+    torch.manual_seed(0)
+    net = _Flattening("token-major").double()
+    engine = ClippingEngine(net, "sum", 1.0)
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    with pytest.raises(CorrnoiseError, match="'lin.weight'|'lin.bias'"):
+        check_attribution(engine, net, x)
+    net(x).sum().backward()
+    with pytest.raises(CorrnoiseError, match="check_attribution"):  # still not verified
+        engine.clipped_sum(4)
+    table = _PositionTable(length=8).double()  # 8 rows = 2 per example of a batch of 4
+    engine = ClippingEngine(table, "mean", 1.0)
+    with pytest.raises(CorrnoiseError, match="'pos.weight'|'pos.bias'"):
+        check_attribution(engine, lambda v: table(v).square(), torch.randn(4, 8, 4, dtype=torch.float64))
+    with pytest.raises(CorrnoiseError) as err:
+        check_attribution(engine, lambda v: table(v).square(), torch.randn(1, 8, 4, dtype=torch.float64))
+    _one_line(err, "batch")  # a batch of one checks nothing
+
+
 def test_a_loss_that_mixes_examples_is_refused():
     net = _mlp()
     engine = ClippingEngine(net, "mean", 1.0)
@@ -188,13 +252,18 @@ def _hf(kind):
         if kind == "bert-lora":
             m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
         return m, _cls_losses(m)
+    if kind == "opt":  # its decoder layers call the MLP on the batch flattened to (B*T, d)
+        m = transformers.OPTForCausalLM(transformers.OPTConfig(
+            num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=V,
+            max_position_embeddings=16, word_embed_proj_dim=32, pad_token_id=0))
+        return m, _lm_losses(m)
     m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
         vocab_size=V, max_position_embeddings=16))
     return m, _lm_losses(m)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "gpt2-lora", "bert-lora"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "gpt2-lora", "bert-lora", "opt"])
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out")
 def test_hugging_face_models_pass_with_room_to_spare(kind):
     """float32 and bf16 autocast: at most a tenth of the tolerance (measured: float32 ~1e-6 against
@@ -206,10 +275,40 @@ def test_hugging_face_models_pass_with_room_to_spare(kind):
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine = ClippingEngine(model, "mean", 1.0, parameters=trainable)
     batch = _padded()
-    assert check_attribution(engine, losses, batch, examples=5).worst < 0.1
+    report = check_attribution(engine, losses, batch, examples=5)
+    assert report.worst < 0.1
+    assert report.flattened == ([f"model.decoder.layers.{i}.{n}" for i in (0, 1) for n in ("fc1", "fc2", "final_layer_norm")]
+                                if kind == "opt" else [])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert check_attribution(engine, losses, batch, examples=5, compute_dtype=torch.bfloat16).worst < 0.1
     assert model.training
     model.double()
     assert check_attribution(engine, losses, batch, examples=5).worst < (0.1 if kind == "llama" else 1e-6)
     assert ATTRIBUTION_RTOL[torch.float64] == ATTRIBUTION_RTOL[torch.float32]
+
+
+def test_opt_trains_with_make_private_once_the_first_batch_is_checked():
+    """OPT's decoder layers call their MLP on (B*T, d): the first step without the check is refused
+    in one line naming the remedy; with it (which compares the engine's per-example gradients with
+    each example's own, parameter by parameter) the run trains."""
+    model, losses = _hf("opt")
+    model.double()
+    batch = _padded()
+    data = [{k: v[i] for k, v in batch.items()} for i in range(len(LENGTHS))] * 4
+    loader = DataLoader(data, batch_size=5)
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                                      noise_multiplier=1.0, delta=1e-5, steps=2, max_grad_norm=1.0,
+                                      mechanism="bsr:2", batching="cyclic", noise_seed=0, seed=0)
+    first = next(iter(loader))
+    losses(first).mean().backward()
+    with pytest.raises(CorrnoiseError, match="check_attribution") as err:
+        opt.step()
+    _one_line(err, "module")
+    opt.zero_grad()
+    for b in loader:
+        if opt.steps_taken == 0:
+            assert opt.check_attribution(losses, b).flattened
+        losses(b).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.steps_taken == 2

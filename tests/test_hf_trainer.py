@@ -442,6 +442,19 @@ def test_the_first_batch_checks_per_example_attribution_before_any_noise(tmp_pat
     assert unchecked.attribution_report is None and unchecked.private_optimizer.steps_taken == 2
 
 
+def test_opt_whose_mlp_sees_the_batch_flattened_trains_after_the_check(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=V, max_position_embeddings=16,
+        word_embed_proj_dim=32, pad_token_id=0, dropout=0.0))
+    before = _params(model)
+    trainer = _trainer(tmp_path, model=model)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2
+    assert "model.decoder.layers.0.fc1" in trainer.attribution_report.flattened
+    assert not torch.equal(_params(model)["model.decoder.layers.0.fc1.weight"], before["model.decoder.layers.0.fc1.weight"])
+
+
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
     trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
     with pytest.raises(CorrnoiseError) as err:

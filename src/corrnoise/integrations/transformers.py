@@ -26,11 +26,13 @@ What changes against the plain Trainer, and why:
   cross entropy averaged over labels for multi-label). Override :meth:`PrivateTrainer.per_example_losses`
   for anything else. Evaluation uses the model's own loss, unchanged.
 * **Attribution check.** Before the first step's forward (also of a resumed run), the first
-  micro-batch is run once more in eval mode and up to 3 of its examples alone, and the clipping
+  micro-batch of at least 2 examples is run once more in eval mode and up to 3 of its examples
+  alone, and the clipping
   engine's gradient of each must be autograd's gradient of that example's loss computed alone
   (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`). A model with a layer that sees a
   table of the batch's length instead of the batch, or a ``per_example_losses`` that mixes
-  examples, is refused in one line before any noise is added; no privacy is spent.
+  examples, is refused in one line before any noise is added; no privacy is spent. Layers that see
+  the batch flattened to (B*T, d) (OPT's decoder MLPs) are verified by it and then clipped.
   ``check_attribution=False`` skips it; ``trainer.attribution_report`` says what was compared.
 * **Clipping.** ``TrainingArguments.max_grad_norm`` never clips the raw gradients (the
   per-example clip of the mechanism is the privacy one); it is the default of
@@ -333,7 +335,7 @@ class PrivateTrainer(transformers.Trainer):
         if micro.size == 0:
             loss = torch.zeros((), device=self.args.device)
         else:
-            if self._attribution_pending:
+            if self._attribution_pending and micro.size >= 2:  # one example: no gradient can go astray
                 self._check_attribution(model, inputs)
             loss = super().training_step(model, inputs, *args, **kwargs)
         if micro.more:
@@ -341,8 +343,8 @@ class PrivateTrainer(transformers.Trainer):
         return loss / self.args.gradient_accumulation_steps  # logged loss: the step's, as the Trainer's
 
     def _check_attribution(self, model, inputs) -> None:
-        """Before the first step's forward (also of a resumed run): each example's gradient from
-        this micro-batch is its own (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`, with
+        """Before the forward of the first micro-batch of at least 2 examples (also of a resumed
+        run): each example's gradient from this micro-batch is its own (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`, with
         :meth:`per_example_losses`, in eval mode). No privacy is spent; a model that fails it is
         refused before any noise is added. ``check_attribution=False`` skips it."""
         inputs = self._prepare_inputs(dict(inputs))

@@ -53,8 +53,9 @@ ABSOLUTE_FLOOR = 1e-3
 
 class AttributionReport(dict):
     """What :func:`check_attribution` compared: ``examples`` (indices in the batch), ``batch_size``,
-    ``worst`` (the largest difference relative to its tolerance, < 1 when it passed) and
-    ``parameter`` (where it was)."""
+    ``worst`` (the largest difference relative to its tolerance, < 1 when it passed),
+    ``parameter`` (where it was) and ``flattened`` (layers that saw the batch flattened, B*m rows,
+    and are let through from now on: :meth:`ClippingEngine._flattened`)."""
 
     __getattr__ = dict.__getitem__
 
@@ -103,6 +104,7 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
     modes = [(m, m.training) for m in module.modules()]
     grads = [p.grad for p in params]
     clip = engine.max_grad_norm
+    engine._flat_probe, engine._flat_seen = True, set()
     try:
         module.eval()
         for p in params:
@@ -110,6 +112,9 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
         with torch.enable_grad():
             losses = _losses(per_example_loss, batch, None)
             b = losses.shape[0]
+            if b < 2:
+                raise CorrnoiseError("batch", f"has {b} example(s): with fewer than 2 no gradient can go to the wrong "
+                                     "example, so nothing would be checked; pass a batch of at least 2")
             (losses.mean() if engine.loss_reduction == "mean" else losses.sum()).backward()
         chosen = _chosen(b, k)
         engine.max_grad_norm = math.inf  # clip factor 1: the sum with a one-hot weight is g_j itself
@@ -127,18 +132,21 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
                 worst, where = ratio, (name, j)
     finally:
         engine.max_grad_norm = clip
+        engine._flat_probe = False
         engine.clear()
         for p, g in zip(params, grads):
             p.grad = g
         for m, mode in modes:
             m.training = mode
-    report = AttributionReport(examples=chosen, batch_size=b, worst=worst, parameter=where and where[0])
+    report = AttributionReport(examples=chosen, batch_size=b, worst=worst, parameter=where and where[0],
+                               flattened=sorted(engine._paths[m] for m in engine._flat_seen))
     if worst > 1.0:
         name, j = where
         raise CorrnoiseError(
             "model", f"example {j}'s gradient of '{name}' from the batch of {b} is not its gradient computed alone "
             f"({worst:.3g}x the tolerance): a layer sees the batch other than on dim 0 (a table of length {b} called "
             "without the batch?) or the loss mixes examples; freeze that layer or compute each example's loss alone")
+    engine._flat_verified |= engine._flat_seen  # their rows are the batch flattened, example-major: verified
     return report
 
 

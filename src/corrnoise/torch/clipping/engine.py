@@ -88,6 +88,13 @@ detaches the earlier one, with a warning; that one then refuses any use in one l
 private optimizer detaches its engine after the run's last planned step
 (``DPOptimizer.release_model``): the model is a plain one again.
 
+Rows of the batch flattened. A layer called with m*B rows in a batch of B examples (OPT's decoder
+layers reshape (B, T, d) to (B*T, d) before their MLP) is read as (B, m, ...), example-major, by
+the rules that take any leading dimensions (:data:`_FLATTENABLE`), but only once
+:func:`.attribution.check_attribution` has verified that layer on a batch of at least 2 (rows in
+another order, or a table of 2B rows called without the batch, fail it), or when the batch has
+one example (every row is its own). Otherwise it is refused in one line naming the check.
+
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
 transposed input or a table of equal size called without the batch is not detectable here:
 :func:`.attribution.check_attribution` finds it on a real batch, and ``PrivateTrainer`` runs it on
@@ -119,14 +126,19 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from .formulas import (OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_only,
                        shared_input_products, use_ghost)
-from .layers import (call_batch_size, conv1d_like_handler, expand_shared_indices, fallback_handler, handler_for,
-                     linear_handler, owned_parameters, takes_indices)
+from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
+                     fallback_handler, handler_for, layernorm_handler, linear_handler, owned_parameters,
+                     rmsnorm_handler, takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
 #: rules of layers whose output, when it is a view, is their own (B*T, d) result reshaped (torch's
 #: Linear, transformers' Conv1D): a hook on that base sees the output's gradient (ClippingEngine._forward_hook)
 _RESHAPED_OUTPUT_HANDLERS = (linear_handler, conv1d_like_handler)
+
+#: rules that take any leading dimensions, so a call that sees the batch flattened to (B*m, ...) can be
+#: read as (B, m, ...) (ClippingEngine._flattened)
+_FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, layernorm_handler, rmsnorm_handler)
 
 #: modules whose forward uses their children's parameters directly (not through the children's
 #: forward): treated as one fallback layer owning the whole subtree.
@@ -274,6 +286,8 @@ class ClippingEngine:
         self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
         self._workspace: torch.Tensor | None = None  # materialized gradients' storage (:meth:`_workspace_for`)
         self._detached, self._detached_by = False, "user"
+        self._flat_verified: set[nn.Module] = set()  # layers whose flattened rows check_attribution verified
+        self._flat_probe, self._flat_seen = False, set()  # while it runs: flattened calls let through, and which
         self._take_over(module)
         self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
         for m, (handler, _) in self._owners.items():
@@ -452,6 +466,20 @@ class ClippingEngine:
         self._token_loss_used = True
         return None
 
+    def _flattened(self, m: nn.Module, handler, nb: int, n: int) -> bool:
+        """Whether a call of ``m`` with ``nb`` rows in a batch of ``n`` examples is read as the batch
+        flattened, example-major ((n, nb / n, ...): OPT's decoder layers reshape (B, T, d) to
+        (B*T, d) before their MLP). Only for rules that take any leading dimensions
+        (:data:`_FLATTENABLE`), and only where nothing can be misattributed (one example: every row
+        is its own) or :func:`.attribution.check_attribution` verified this layer on a batch of at
+        least 2 (a table of that many rows called without the batch fails it)."""
+        if handler not in _FLATTENABLE or n < 1 or nb <= n or nb % n:
+            return False
+        if self._flat_probe:
+            self._flat_seen.add(m)
+            return True
+        return n == 1 or m in self._flat_verified
+
     def _note_recomputed(self, m: nn.Module, call: _Call) -> None:
         """A call captured during backward (a checkpointed block's recomputation): dropped when that
         backward ends if no grad output reached it (non-reentrant checkpointing), so the engine does
@@ -538,41 +566,54 @@ class ClippingEngine:
             self._workspace = ws = torch.empty(numel, dtype=dtype, device=device)
         return ws
 
-    def _contributions(self, dtype_floor=torch.float32):
-        """Per parameter: (factors, dense tensors), the batch size and accumulation dtype."""
+    def _contributions(self, n: int, dtype_floor=torch.float32):
+        """Per parameter: (factors, dense tensors), the batch size and accumulation dtype (``n``:
+        the examples in the batch, for calls that see it flattened, :meth:`_flattened`)."""
         factors: list[list] = [[] for _ in self.parameters]
         dense: list[list] = [[] for _ in self.parameters]
-        b = None
         acc = dtype_floor
         for m, calls in self._calls.items():
             for call in calls:
                 for g in call.grads:
                     if g is not None:
                         acc = torch.promote_types(acc, g.dtype)
+        used = []  # (module, call, its batch dimension, its rows if it sees the batch flattened else 0)
+        for m, calls in self._calls.items():
+            handler = self._owners[m][0]
+            for call in calls:
+                if all(g is None for g in call.grads):
+                    continue  # output not used by the loss: contributes zero
+                for t, v in call.versions:
+                    if t._version != v:
+                        raise CorrnoiseError(
+                            "module", f"input of '{self._paths[m]}' was modified in place after its forward")
+                nb = call_batch_size(m, call.args, call.kwargs)
+                flat = nb != n and self._flattened(m, handler, nb, n)
+                used.append((m, call, n if flat else nb, nb if flat else 0))
+        sizes = [nb for _, _, nb, _ in used]
+        b = sizes[0] if sizes else None
+        if len(set(sizes)) > 1:  # one call's batch is not the others' (all of them other than n: batch_size's error)
+            ref = n if n in sizes else b
+            m, _, nb, _ = next(u for u in used if u[2] != ref)
+            hint = ""
+            if self._owners[m][0] in _FLATTENABLE and ref > 1 and nb > ref and nb % ref == 0:
+                hint = (f"; if its rows are the batch flattened ({nb // ref} per example, as OPT's decoder layers call "
+                        "their MLP), optimizer.check_attribution on a first batch of at least 2 examples verifies that "
+                        "and lets it through (PrivateTrainer runs it)")
+            raise CorrnoiseError(
+                "module", f"'{self._paths[m]}' has batch dimension {nb}, others {ref} (inputs must be batch-first){hint}")
         self._computing = True
         try:
-            for m, calls in self._calls.items():
+            for m, call, _, rows in used:
                 handler, owned = self._owners[m]
-                for call in calls:
-                    if all(g is None for g in call.grads):
-                        continue  # output not used by the loss: contributes zero
-                    for t, v in call.versions:
-                        if t._version != v:
-                            raise CorrnoiseError(
-                                "module", f"input of '{self._paths[m]}' was modified in place after its forward")
-                    nb = call_batch_size(m, call.args, call.kwargs)
-                    if b is None:
-                        b = nb
-                    elif nb != b:
-                        raise CorrnoiseError(
-                            "module", f"'{self._paths[m]}' has batch dimension {nb}, others {b} (inputs must be batch-first)")
-                    try:
-                        out = handler(m, call.args, call.kwargs, call.grads, acc)
-                    except CorrnoiseError as exc:
-                        raise CorrnoiseError(exc.param, f"'{self._paths[m]}': {exc.message}") from None
-                    for name, i in owned:
-                        for c in out.get(name, []):
-                            (factors if isinstance(c, tuple) else dense)[i].append(c)
+                args, kwargs, grads = _unflatten(call, rows, n) if rows else (call.args, call.kwargs, call.grads)
+                try:
+                    out = handler(m, args, kwargs, grads, acc)
+                except CorrnoiseError as exc:
+                    raise CorrnoiseError(exc.param, f"'{self._paths[m]}': {exc.message}") from None
+                for name, i in owned:
+                    for c in out.get(name, []):
+                        (factors if isinstance(c, tuple) else dense)[i].append(c)
         finally:
             self._computing = False
         return factors, dense, b, acc
@@ -593,7 +634,7 @@ class ClippingEngine:
                 "example's gradient would depend on the other examples' lengths: compute one loss per example from "
                 "out.logits (each sequence's mean token loss), or pass num_items_in_batch=<batch size> to the model")
         n = check_int("batch_size", batch_size, minimum=0)
-        factors, dense, b, acc = self._contributions()
+        factors, dense, b, acc = self._contributions(n)
         for i in range(len(self.parameters)):
             if i in self._reached and not factors[i] and not dense[i]:
                 raise CorrnoiseError(
@@ -844,6 +885,18 @@ def _group_offsets(parameters, offsets: dict[int, int], groups: list[list[int]],
             new[j] = pos
             pos += b * parameters[j].numel()
     return new
+
+
+def _unflatten(call: _Call, nb: int, n: int):
+    """A call's tensors with ``nb`` rows (inputs and grad outputs) as (n, nb / n, ...)."""
+    def view(t):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == nb:
+            return t.reshape(n, nb // n, *t.shape[1:])
+        return t
+
+    args, spec = tree_flatten((call.args, call.kwargs))
+    args, kwargs = tree_unflatten([view(t) for t in args], spec)
+    return args, kwargs, [view(g) for g in call.grads]
 
 
 def _leaves(args, kwargs) -> list:
