@@ -1,6 +1,6 @@
 """Seconds per step of Hugging Face models: a plain step vs make_private's, full fine-tuning and LoRA.
 
-    PYTHONPATH=src python benchmarks/bench_hf_step.py [--reps 20] [--models gpt2,bert,llama] [--batch 32] [--seq 64]
+    PYTHONPATH=src python benchmarks/bench_hf_step.py [--reps 20] [--models gpt2,bert,llama,opt] [--batch 32] [--seq 64]
         [--width 128] [--layers 2] [--bert-ffn 2] [--vocab 500] [--device cpu] [--methods ...,opacus_ghost]
 
 GPT-2 small on a GPU against Opacus's ghost clipping (issue #27; 124M parameters with an untied head, see
@@ -17,6 +17,9 @@ token_type_ids), fed as ``model(**batch)``. Loss: GPT-2, each sequence's next-to
 averaged over its own tokens, then over the batch (the per-example loss make_private needs; HF's
 built-in LM loss averages over the batch's tokens, see tests/test_transformers_models.py); BERT,
 its built-in classification loss (a mean of per-example losses). The same loss in the plain step.
+``opt`` (not in the default ``--models``): OPTForCausalLM of the same width and depth, its
+feed-forward 4x the width, whose decoder layers call their MLP on the batch flattened to (B*T, d)
+(the engine clips those rows once the attribution check verified them); LoRA on q/k/v, fc1 and fc2.
 ``llama`` (not in the default ``--models``): LlamaForCausalLM of the same width and depth, the
 family most fine-tuning uses today (Llama, Qwen2, Mistral): RMSNorm (transformers' own class, taken
 by the engine's torch.func fallback), rotary positions, grouped-query attention (half as many
@@ -30,7 +33,9 @@ peft's SEQ_CLS default; Llama's every projection, attention's and the MLP's). Me
 (``bench_step.time_interleaved``) so that load from other processes hits all of them alike; the
 ``uptime`` load before and after. ``last loss``: each method's training loss at its last step; every
 step trains on the same batch, and every method takes the same number of steps, so the losses show
-that each method trains (the private ones with their noise, sigma = 1).
+that each method trains (the private ones with their noise, sigma = 1). Before timing, each private
+method runs ``DPOptimizer.check_attribution`` on the batch once (what PrivateTrainer does on its
+first batch); a second table gives its time against the plain step and its worst difference.
 
 ``opacus_ghost`` (GPT-2 only): Opacus's ghost clipping (``grad_sample_mode="ghost"``, same noise
 multiplier and clip norm, fixed batches) on the same model, the same per-sequence loss. Opacus 1.6.0
@@ -50,6 +55,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -72,6 +78,8 @@ LLAMA_FFN = 3
 #: the run's settings beyond the model size: vocabulary, device, and whether GPT-2 is built for Opacus
 #: (untied head, explicit position ids: see the module docstring)
 RUN = {"vocab": VOCAB, "device": "cpu", "opacus": False, "seq": 0}
+#: (model, method) -> (seconds, worst difference / tolerance) of the private methods' one attribution check
+CHECKS: dict[tuple[str, str], tuple[float, float]] = {}
 
 
 def make_model(name: str, lora: bool):
@@ -95,6 +103,13 @@ def make_model(name: str, lora: bool):
                                       hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, num_labels=3)
         model = transformers.BertForSequenceClassification(cfg)
+    elif name == "opt":
+        w, n = SIZE["width"], SIZE["layers"]
+        cfg = transformers.OPTConfig(num_hidden_layers=n, hidden_size=w, ffn_dim=4 * w,
+                                     num_attention_heads=max(2, w // 64), vocab_size=RUN["vocab"],
+                                     max_position_embeddings=max(128, RUN["seq"]), word_embed_proj_dim=w,
+                                     dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+        model = transformers.OPTForCausalLM(cfg)
     elif name == "llama":
         w, n = SIZE["width"], SIZE["layers"]
         heads = max(2, w // 64)
@@ -104,7 +119,7 @@ def make_model(name: str, lora: bool):
                                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        raise SystemExit(f"unknown model {name} (gpt2, bert or llama)")
+        raise SystemExit(f"unknown model {name} (gpt2, bert, llama or opt)")
     if lora:
         import peft
         if name == "gpt2":
@@ -114,6 +129,9 @@ def make_model(name: str, lora: bool):
             config = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                      "down_proj"])
+        elif name == "opt":
+            config = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
+                                     target_modules=["q_proj", "k_proj", "v_proj", "fc1", "fc2"])
         else:
             config = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=8, lora_alpha=16, lora_dropout=0.0,
                                      target_modules=["query", "key", "value"])
@@ -125,7 +143,7 @@ def make_batch(name: str, b: int, seq: int) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, RUN["vocab"], (b, seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if name in ("gpt2", "llama"):
+    if name in ("gpt2", "llama", "opt"):
         batch["labels"] = ids.clone()
         if RUN["opacus"] and name == "gpt2":
             batch["position_ids"] = torch.arange(seq).repeat(b, 1)
@@ -135,13 +153,22 @@ def make_batch(name: str, b: int, seq: int) -> dict:
     return {k: v.to(RUN["device"]) for k, v in batch.items()}
 
 
-def loss_fn(name: str):
-    if name in ("gpt2", "llama"):
+def per_example_loss_fn(name: str):
+    """One loss per example, (B,): each sequence's mean next-token loss (GPT-2, Llama, OPT) or
+    the classification cross entropy (BERT)."""
+    if name in ("gpt2", "llama", "opt"):
         def lm(model, batch):
             logits, labels = model(**batch).logits, batch["labels"]
             tokens = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
-            return (tokens.sum(1) / (labels[:, 1:] != -100).sum(1)).mean()
+            return tokens.sum(1) / (labels[:, 1:] != -100).sum(1)
         return lm
+    return lambda model, batch: F.cross_entropy(model(**batch).logits, batch["labels"], reduction="none")
+
+
+def loss_fn(name: str):
+    if name in ("gpt2", "llama", "opt"):
+        per = per_example_loss_fn(name)
+        return lambda model, batch: per(model, batch).mean()
     return lambda model, batch: model(**batch).loss
 
 
@@ -211,6 +238,11 @@ def make_step(name: str, method: str, b: int, seq: int):
     loader = torch.utils.data.DataLoader(data, batch_size=b)
     model, dp_opt, _ = make_private(model, opt, loader, mechanism="bsr:4", noise_multiplier=SIGMA, delta=1e-5,
                                     steps=1000, max_grad_norm=CLIP, batching="cyclic", noise_seed=0)
+    # the first batch's attribution check, as PrivateTrainer runs it (OPT's flattened MLP rows need it)
+    per = per_example_loss_fn(name)
+    start = time.perf_counter()
+    report = dp_opt.check_attribution(lambda bb: per(model, bb), batch)
+    CHECKS[(name, method)] = (time.perf_counter() - start, report.worst)
 
     def step():
         # the batch the private loader would yield for this step (fetching excluded, as for plain)
@@ -293,6 +325,15 @@ def main() -> None:
         tail = f" {r['resident']:.2f} | {r['peak']:.2f} |" if cuda else ""
         print(f"| {r['model']} | {r['method']} | {r['s'] * 1e3:.1f} | {r['s'] / base['s']:.2f} | "
               f"{r['min'] * 1e3:.1f} | {r['min'] / base['min']:.2f} | {r['loss']:.3f} |{tail}")
+    if CHECKS:
+        print()
+        print("| model | method | attribution check, once (ms) | x its plain step | worst / tolerance |")
+        print("|---|---|---:|---:|---:|")
+        for (name, m), (sec, worst) in CHECKS.items():
+            base = next((q for q in rows if q["model"] == name
+                         and q["method"] == ("lora_plain" if m.startswith("lora") else "plain")), None)
+            ratio = f"{sec / base['s']:.1f}" if base else "-"
+            print(f"| {name} | {m} | {sec * 1e3:.1f} | {ratio} | {worst:.1e} |")
 
 
 def _synchronized(fn):

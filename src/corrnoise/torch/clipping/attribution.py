@@ -17,7 +17,12 @@ the assumption:
 whole batch through the engine, then each chosen example alone through the plain model
 (:meth:`ClippingEngine.paused`), and compares the engine's gradient of example j with autograd's,
 parameter by parameter. It spends no privacy (no noise, no step) and leaves the model, its
-gradients and the engine as they were. ``PrivateTrainer`` runs it on its first batch;
+gradients and the engine as they were.
+
+What it cannot see: a parameter whose gradient is zero on the checked examples (peft's LoRA A
+factors while B is still zero) agrees trivially; behaviour only in training mode (it runs in eval
+mode, so that both computations are one function: dropout is covered by the engine's own exactness
+tests instead); and a model that treats other batches differently from the checked one. ``PrivateTrainer`` runs it on its first batch;
 ``DPOptimizer.check_attribution`` offers it to a ``make_private`` loop.
 """
 
