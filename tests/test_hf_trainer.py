@@ -455,6 +455,44 @@ def test_opt_whose_mlp_sees_the_batch_flattened_trains_after_the_check(tmp_path)
     assert not torch.equal(_params(model)["model.decoder.layers.0.fc1.weight"], before["model.decoder.layers.0.fc1.weight"])
 
 
+class _Pairs(torch.utils.data.Dataset):
+    """Sequence-to-sequence examples: a padded source and a target of 5 tokens."""
+
+    def __init__(self):
+        self.texts = _Texts()
+
+    def __len__(self):
+        return len(self.texts)
+
+    def __getitem__(self, i):
+        row = self.texts[i]
+        return {"input_ids": row["input_ids"], "attention_mask": row["attention_mask"],
+                "labels": self.texts.ids[(i + 1) % N, :5]}
+
+
+def test_an_encoder_decoder_model_trains_with_decoder_inputs_made_from_its_labels(tmp_path):
+    # T5 makes decoder_input_ids from labels only when it computes its own loss; the private loss
+    # is computed per example outside it, so the trainer makes them (the labels shifted right)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=V, decoder_start_token_id=0,
+        pad_token_id=0, dropout_rate=0.0))
+    for name, p in model.named_parameters():
+        if "relative_attention_bias" in name:
+            p.requires_grad_(False)  # shared by the batch: refused when trainable
+    before = _params(model)
+    trainer = PrivateTrainer(model=model, args=_args(tmp_path), train_dataset=_Pairs(), privacy=PRIVACY)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2 and trainer.attribution_report.worst < 0.1
+    changed = [n for n, p in _params(model).items() if not torch.equal(p, before[n])]
+    assert any(n.startswith("decoder.") for n in changed) and any(n.startswith("encoder.") for n in changed)
+    batch = {k: torch.stack([_Pairs()[i][k] for i in range(2)]) for k in ("input_ids", "attention_mask", "labels")}
+    made = trainer._model_inputs(model, batch)["decoder_input_ids"]
+    assert made[:, 0].tolist() == [0, 0] and torch.equal(made[:, 1:], batch["labels"][:, :-1])
+    given = trainer._model_inputs(model, {**batch, "decoder_input_ids": batch["labels"]})
+    assert given["decoder_input_ids"] is batch["labels"] and "labels" not in given
+
+
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
     trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
     with pytest.raises(CorrnoiseError) as err:

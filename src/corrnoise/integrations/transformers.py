@@ -24,7 +24,8 @@ What changes against the plain Trainer, and why:
   token-level labels (causal LM, shifted by one; token classification) give each example's mean
   token loss, sequence classification its cross entropy (squared error for regression, binary
   cross entropy averaged over labels for multi-label). Override :meth:`PrivateTrainer.per_example_losses`
-  for anything else. Evaluation uses the model's own loss, unchanged.
+  for anything else. The model is called without ``labels``; an encoder-decoder model gets the
+  ``decoder_input_ids`` it would have made from them. Evaluation uses the model's own loss, unchanged.
 * **Attribution check.** Before the first step's forward (also of a resumed run), the first
   micro-batch of at least 2 examples is run once more in eval mode and up to 3 of its examples
   alone, and the clipping
@@ -348,14 +349,10 @@ class PrivateTrainer(transformers.Trainer):
         :meth:`per_example_losses`, in eval mode). No privacy is spent; a model that fails it is
         refused before any noise is added. ``check_attribution=False`` skips it."""
         inputs = self._prepare_inputs(dict(inputs))
-        if "labels" not in inputs:
-            raise CorrnoiseError("train_dataset", "batches carry no 'labels': the private loss is computed per "
-                                 "example from them")
         plain = self.accelerator.unwrap_model(model)
 
         def per_example(batch):
-            outputs = plain(**{k: v for k, v in batch.items() if k != "labels"})
-            return self.per_example_losses(plain, outputs, batch["labels"])
+            return self.per_example_losses(plain, plain(**self._model_inputs(plain, batch)), batch["labels"])
 
         autocast = torch.bfloat16 if self.args.bf16 else None  # accelerate's autocast wraps the model's forward
         self.attribution_report = self.private_optimizer.check_attribution(per_example, inputs, compute_dtype=autocast)
@@ -367,13 +364,29 @@ class PrivateTrainer(transformers.Trainer):
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        outputs = model(**self._model_inputs(model, inputs))
+        loss = self.per_example_losses(model, outputs, inputs["labels"]).mean()
+        return (loss, outputs) if return_outputs else loss
+
+    def _model_inputs(self, model, inputs) -> dict[str, Any]:
+        """The model's arguments for a training batch: the batch without ``labels`` (the loss is
+        computed per example from them, never by the model); an encoder-decoder model (T5, BART)
+        gets the ``decoder_input_ids`` it would have made from them (its labels shifted right)."""
         if "labels" not in inputs:
             raise CorrnoiseError("train_dataset", "batches carry no 'labels': the private loss is computed per "
                                  "example from them")
-        labels = inputs["labels"]
-        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-        loss = self.per_example_losses(model, outputs, labels).mean()
-        return (loss, outputs) if return_outputs else loss
+        given = {k: v for k, v in inputs.items() if k != "labels"}
+        config = _config_of(self.accelerator.unwrap_model(model))
+        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" not in given \
+                and "decoder_inputs_embeds" not in given:
+            base = self.accelerator.unwrap_model(model)
+            base = base.get_base_model() if hasattr(base, "get_base_model") else base
+            prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+            if prepare is None:
+                raise CorrnoiseError("model", f"{type(base).__name__} is an encoder-decoder model without "
+                                     "prepare_decoder_input_ids_from_labels: put decoder_input_ids in the batches")
+            given["decoder_input_ids"] = prepare(labels=inputs["labels"])
+        return given
 
     def per_example_losses(self, model, outputs, labels) -> torch.Tensor:
         """One loss per example, shape (B,): token-level labels give each example's mean token
