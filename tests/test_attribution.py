@@ -312,3 +312,69 @@ def test_opt_trains_with_make_private_once_the_first_batch_is_checked():
         opt.step()
         opt.zero_grad()
     assert opt.steps_taken == 2
+
+
+def test_a_table_module_called_without_inputs_is_refused_with_the_way_out():
+    """Swin's relative position bias is a module whose forward takes no batched input and returns
+    its table (indexed): its gradient is the batch's sum. One line naming it and saying to freeze it."""
+
+    class _Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(3, 4))
+
+        def forward(self):
+            return self.table
+
+    class _Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bias = nn.Linear(4, 4), _Table()
+
+        def forward(self, x):
+            return (self.lin(x) + self.bias()).sum(dim=(1, 2))
+
+    net = _Net().double()
+    engine = ClippingEngine(net, "sum", 1.0)
+    net(torch.randn(2, 3, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(CorrnoiseError, match=r"^module: 'bias' \(_Table\) was called without a batched tensor input.*"
+                                             r"requires_grad_\(False\)") as err:
+        engine.clipped_sum(2)
+    _one_line(err, "module")
+    engine.detach()
+    net.bias.table.requires_grad_(False)  # frozen: the rest trains
+    engine = ClippingEngine(net, "sum", 1.0)
+    assert check_attribution(engine, net, torch.randn(3, 3, 4, dtype=torch.float64)).worst < 1e-6
+
+
+def _vision(kind):
+    torch.manual_seed(0)
+    if kind == "vit":
+        return transformers.ViTForImageClassification(transformers.ViTConfig(
+            image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, num_labels=3))
+    if kind == "convnext":
+        return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+            num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3, image_size=32))
+    m = transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3))
+    for name, p in m.named_parameters():
+        if "relative_position_bias" in name:
+            p.requires_grad_(False)  # a table shared by the batch: refused when trainable
+    return m
+
+
+@pytest.mark.parametrize("kind", ["vit", "convnext", "swin"])
+def test_vision_models_are_exact_and_swin_windows_are_verified_as_the_batch_flattened(kind):
+    """float64 against each image alone: ViT (its position embeddings and CLS token are parameters
+    of the embeddings module: the torch.func fallback), ConvNeXt (depthwise convolutions, channels-
+    last LayerNorm) and Swin with its relative position bias frozen, whose attention sees the batch
+    cut into windows, (B * windows, tokens, C): rows read example-major once the check verified them."""
+    model = _vision(kind).double()
+    engine = ClippingEngine(model, "mean", 1.0, parameters=[p for p in model.parameters() if p.requires_grad])
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    report = check_attribution(engine, lambda b: F.cross_entropy(model(pixel_values=b[0]).logits, b[1],
+                                                                 reduction="none"), (x, torch.tensor([0, 1, 2, 0])),
+                               examples=4)
+    assert report.worst < 1e-6
+    assert bool(report.flattened) == (kind == "swin")

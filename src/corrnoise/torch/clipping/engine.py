@@ -587,7 +587,14 @@ class ClippingEngine:
                     if t._version != v:
                         raise CorrnoiseError(
                             "module", f"input of '{self._paths[m]}' was modified in place after its forward")
-                nb = call_batch_size(m, call.args, call.kwargs)
+                try:
+                    nb = call_batch_size(m, call.args, call.kwargs)
+                except CorrnoiseError:
+                    raise CorrnoiseError(
+                        "module", f"'{self._paths[m]}' ({type(m).__name__}) was called without a batched tensor input: "
+                        "its parameters are shared by the whole batch (a position-bias table?), so their gradient is "
+                        "the batch's sum, not one per example; freeze them (requires_grad_(False)) or train adapters "
+                        "(LoRA) instead") from None
                 flat = nb != n and self._flattened(m, handler, nb, n)
                 used.append((m, call, n if flat else nb, nb if flat else 0))
         sizes = [nb for _, _, nb, _ in used]
