@@ -472,7 +472,9 @@ class ClippingEngine:
         (B*T, d) before their MLP). Only for rules that take any leading dimensions
         (:data:`_FLATTENABLE`), and only where nothing can be misattributed (one example: every row
         is its own) or :func:`.attribution.check_attribution` verified this layer on a batch of at
-        least 2 (a table of that many rows called without the batch fails it)."""
+        least 2 (a table of that many rows called without the batch fails it). A layer whose
+        gradient is zero on the checked examples (peft's LoRA A while B is zero) passes trivially;
+        its rows are those of the layers around it in the same flattened block, which do not."""
         if handler not in _FLATTENABLE or n < 1 or nb <= n or nb % n:
             return False
         if self._flat_probe:
