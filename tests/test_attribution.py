@@ -132,6 +132,59 @@ def test_rows_flattened_in_another_order_or_a_table_of_twice_the_batch_fail_the_
     _one_line(err, "batch")  # a batch of one checks nothing
 
 
+class _SharedPositions(nn.Module):
+    """A position table of its own returning (1, L, d) for a batch (B, L, d), as BART's decoder
+    position embedding does; the model adds it by broadcasting, or (``indexed``) takes ``[0]``
+    of it, which gives each example's share of the gradient to example 0 once it is expanded."""
+
+    def __init__(self, indexed, length=5, d=3):
+        super().__init__()
+        self.indexed = indexed
+        self.pos = _Table(length, d)
+        self.lin, self.head = nn.Linear(d, d), nn.Linear(d, 1)
+
+    def forward(self, x):
+        pos = self.pos(x)
+        h = self.lin(x) + (pos[0] if self.indexed else pos)
+        return self.head(torch.tanh(h)).mean(dim=(1, 2)).square()
+
+
+class _Table(nn.Module):
+    def __init__(self, length, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(length, d))
+
+    def forward(self, x):
+        return self.weight[: x.shape[1]].unsqueeze(0) * 1.0
+
+
+def test_an_output_shared_by_the_batch_is_expanded_once_the_check_verified_it_is_broadcast():
+    torch.manual_seed(0)
+    net = _SharedPositions(indexed=False).double()
+    engine = ClippingEngine(net, "sum", 1e6)
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    net(x).sum().backward()
+    with pytest.raises(CorrnoiseError, match="check_attribution") as err:  # not verified: its gradient is the batch's
+        engine.clipped_sum(4)
+    _one_line(err, "module")
+    engine.clear()
+    report = check_attribution(engine, net, x)
+    assert report.shared == ["pos"] and report.worst < 1e-6
+    net(x).sum().backward()
+    sums, _ = engine.clipped_sum(4)
+    with engine.paused():
+        per = [torch.autograd.grad(net(x[i:i + 1]).sum(), list(net.parameters())) for i in range(4)]
+    assert all(torch.allclose(s, sum(g[k] for g in per), rtol=1e-12, atol=1e-15) for k, s in enumerate(sums))
+    torch.manual_seed(0)
+    indexed = _SharedPositions(indexed=True).double()
+    engine = ClippingEngine(indexed, "sum", 1.0)
+    with pytest.raises(CorrnoiseError, match="'pos.weight'"):
+        check_attribution(engine, indexed, x)
+    indexed(x).sum().backward()
+    with pytest.raises(CorrnoiseError, match="check_attribution"):  # still not verified
+        engine.clipped_sum(4)
+
+
 def test_a_loss_that_mixes_examples_is_refused():
     net = _mlp()
     engine = ClippingEngine(net, "mean", 1.0)
@@ -252,6 +305,12 @@ def _hf(kind):
         if kind == "bert-lora":
             m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
         return m, _cls_losses(m)
+    if kind == "bart":  # its decoder's learned position embedding returns (1, L, d), broadcast to the batch
+        m = transformers.BartForCausalLM(transformers.BartConfig(
+            decoder_layers=2, encoder_layers=2, d_model=32, decoder_ffn_dim=64, encoder_ffn_dim=64,
+            decoder_attention_heads=2, encoder_attention_heads=2, vocab_size=V, max_position_embeddings=16,
+            pad_token_id=0))
+        return m, _lm_losses(m)
     if kind == "opt":  # its decoder layers call the MLP on the batch flattened to (B*T, d)
         m = transformers.OPTForCausalLM(transformers.OPTConfig(
             num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=V,
@@ -263,7 +322,7 @@ def _hf(kind):
     return m, _lm_losses(m)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "gpt2-lora", "bert-lora", "opt"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "gpt2-lora", "bert-lora", "opt", "bart"])
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out")
 def test_hugging_face_models_pass_with_room_to_spare(kind):
     """float32 and bf16 autocast: at most a tenth of the tolerance (measured: float32 ~1e-6 against
@@ -279,6 +338,7 @@ def test_hugging_face_models_pass_with_room_to_spare(kind):
     assert report.worst < 0.1
     assert report.flattened == ([f"model.decoder.layers.{i}.{n}" for i in (0, 1) for n in ("fc1", "fc2", "final_layer_norm")]
                                 if kind == "opt" else [])
+    assert report.shared == (["model.decoder.embed_positions"] if kind == "bart" else [])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert check_attribution(engine, losses, batch, examples=5, compute_dtype=torch.bfloat16).worst < 0.1
     assert model.training

@@ -493,6 +493,21 @@ def test_an_encoder_decoder_model_trains_with_decoder_inputs_made_from_its_label
     assert given["decoder_input_ids"] is batch["labels"] and "labels" not in given
 
 
+def test_bart_whose_decoder_position_embedding_is_shared_by_the_batch_trains_after_the_check(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=V, max_position_embeddings=16,
+        pad_token_id=0, decoder_start_token_id=0, dropout=0.0))
+    before = _params(model)
+    trainer = PrivateTrainer(model=model, args=_args(tmp_path), train_dataset=_Pairs(), privacy=PRIVACY)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2
+    assert trainer.attribution_report.shared == ["model.decoder.embed_positions"]
+    name = "model.decoder.embed_positions.weight"
+    assert not torch.equal(_params(model)[name], before[name])
+
+
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
     trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
     with pytest.raises(CorrnoiseError) as err:

@@ -33,7 +33,8 @@ What changes against the plain Trainer, and why:
   (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`). A model with a layer that sees a
   table of the batch's length instead of the batch, or a ``per_example_losses`` that mixes
   examples, is refused in one line before any noise is added; no privacy is spent. Layers that see
-  the batch flattened to (B*T, d) (OPT's decoder MLPs) are verified by it and then clipped.
+  the batch flattened to (B*T, d) (OPT's decoder MLPs) or return an output shared by the batch
+  (BART's decoder position embedding) are verified by it and then clipped.
   ``check_attribution=False`` skips it; ``trainer.attribution_report`` says what was compared.
 * **Clipping.** ``TrainingArguments.max_grad_norm`` never clips the raw gradients (the
   per-example clip of the mechanism is the privacy one); it is the default of

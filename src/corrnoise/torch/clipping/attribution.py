@@ -59,8 +59,9 @@ ABSOLUTE_FLOOR = 1e-3
 class AttributionReport(dict):
     """What :func:`check_attribution` compared: ``examples`` (indices in the batch), ``batch_size``,
     ``worst`` (the largest difference relative to its tolerance, < 1 when it passed),
-    ``parameter`` (where it was) and ``flattened`` (layers that saw the batch flattened, B*m rows,
-    and are let through from now on: :meth:`ClippingEngine._flattened`)."""
+    ``parameter`` (where it was), ``flattened`` (layers that saw the batch flattened, B*m rows:
+    :meth:`ClippingEngine._flattened`) and ``shared`` (layers whose (1, ...) output is broadcast to
+    the batch: :meth:`ClippingEngine._shared_output`); both kinds are let through from now on."""
 
     __getattr__ = dict.__getitem__
 
@@ -109,7 +110,7 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
     modes = [(m, m.training) for m in module.modules()]
     grads = [p.grad for p in params]
     clip = engine.max_grad_norm
-    engine._flat_probe, engine._flat_seen = True, set()
+    engine._layout_probe, engine._layout_seen = True, {}
     try:
         module.eval()
         for p in params:
@@ -137,21 +138,22 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
                 worst, where = ratio, (name, j)
     finally:
         engine.max_grad_norm = clip
-        engine._flat_probe = False
+        engine._layout_probe = False
         engine.clear()
         for p, g in zip(params, grads):
             p.grad = g
         for m, mode in modes:
             m.training = mode
     report = AttributionReport(examples=chosen, batch_size=b, worst=worst, parameter=where and where[0],
-                               flattened=sorted(engine._paths[m] for m in engine._flat_seen))
+                               flattened=sorted(engine._paths[m] for m, k in engine._layout_seen.items() if k == "flattened"),
+                               shared=sorted(engine._paths[m] for m, k in engine._layout_seen.items() if k == "shared"))
     if worst > 1.0:
         name, j = where
         raise CorrnoiseError(
             "model", f"example {j}'s gradient of '{name}' from the batch of {b} is not its gradient computed alone "
             f"({worst:.3g}x the tolerance): a layer sees the batch other than on dim 0 (a table of length {b} called "
             "without the batch?) or the loss mixes examples; freeze that layer or compute each example's loss alone")
-    engine._flat_verified |= engine._flat_seen  # their rows are the batch flattened, example-major: verified
+    engine._layout_verified.update(engine._layout_seen)  # flattened rows example-major, shared outputs broadcast
     return report
 
 

@@ -95,6 +95,14 @@ the rules that take any leading dimensions (:data:`_FLATTENABLE`), but only once
 another order, or a table of 2B rows called without the batch, fail it), or when the batch has
 one example (every row is its own). Otherwise it is refused in one line naming the check.
 
+Outputs shared by the batch. A fallback layer that returns (1, ...) in a forward of B > 1
+examples (BART's decoder position embedding: (1, L, d), added to every example) has the batch's
+summed gradient. Once :func:`.attribution.check_attribution` verified that the model broadcasts
+it (indexing ``pos[0]`` would fail the check), its output is expanded to (B, ...) in the forward,
+so each example's share of the grad output reaches the hook and the fallback's per-example vjp
+gives each example its own gradient (:meth:`ClippingEngine._shared_output`); before, it is
+refused in one line naming the check.
+
 Limits. Every hooked layer must see the batch on dim 0 (a different size is refused; a
 transposed input or a table of equal size called without the batch is not detectable here:
 :func:`.attribution.check_attribution` finds it on a real batch, and ``PrivateTrainer`` runs it on
@@ -286,8 +294,12 @@ class ClippingEngine:
         self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
         self._workspace: torch.Tensor | None = None  # materialized gradients' storage (:meth:`_workspace_for`)
         self._detached, self._detached_by = False, "user"
-        self._flat_verified: set[nn.Module] = set()  # layers whose flattened rows check_attribution verified
-        self._flat_probe, self._flat_seen = False, set()  # while it runs: flattened calls let through, and which
+        # layers whose batch layout check_attribution verified: "flattened" (m*B rows, :meth:`_flattened`) or
+        # "shared" (an output (1, ...) broadcast to the batch, :meth:`_shared_output`); while it runs, such
+        # calls are let through (the probe) and noted
+        self._layout_verified: dict[nn.Module, str] = {}
+        self._layout_probe, self._layout_seen = False, {}
+        self._unexpanded: set[nn.Module] = set()  # unverified layers whose (1, ...) output this batch shares
         self._take_over(module)
         self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
         for m, (handler, _) in self._owners.items():
@@ -396,6 +408,9 @@ class ClippingEngine:
             return None
         replaced = None
         reshaped_base = None
+        shared = self._shared_output(m, output)
+        if shared is not None:
+            output = replaced = shared  # a view: copied below, so that a hook on it stays
         if isinstance(output, torch.Tensor) and output.requires_grad and output._is_view():
             # a hook on a view is lost if the view is later modified in place (ReLU(inplace=True)
             # after a Linear on (B, T, d)); a hook on its base is not. The base stands for the
@@ -477,10 +492,31 @@ class ClippingEngine:
         its rows are those of the layers around it in the same flattened block, which do not."""
         if handler not in _FLATTENABLE or n < 1 or nb <= n or nb % n:
             return False
-        if self._flat_probe:
-            self._flat_seen.add(m)
+        if self._layout_probe:
+            self._layout_seen[m] = "flattened"
             return True
-        return n == 1 or m in self._flat_verified
+        return n == 1 or self._layout_verified.get(m) == "flattened"
+
+    def _shared_output(self, m: nn.Module, output):
+        """A fallback layer's output of shape (1, ...) in a forward of B > 1 examples (BART's learned
+        position embedding returns (1, L, d), added to every example): its gradient would be the
+        batch's sum. Expanded to (B, ...), each example's share of the grad output reaches the hook,
+        and the fallback's per-example vjp gives each example its own gradient -- right when the
+        model uses the output by broadcasting against the batch (``x + pos``), wrong when it
+        indexes it (``pos[0]``). So it is expanded only for layers that
+        :func:`.attribution.check_attribution` verified (or while it runs); otherwise the call is
+        marked and :meth:`clipped_sum` refuses it in one line naming the check. Returns the output
+        to use, or None to keep it."""
+        b = self._first_batch if self._first_batch is not None else self._root_batch
+        if (not isinstance(output, torch.Tensor) or output.dim() < 2 or output.shape[0] != 1 or b is None or b < 2
+                or self._owners[m][0] is not fallback_handler or isinstance(m, OPAQUE_TYPES)):
+            return None
+        if self._layout_probe:
+            self._layout_seen[m] = "shared"
+        elif self._layout_verified.get(m) != "shared":
+            self._unexpanded.add(m)
+            return None
+        return output.expand(b, *output.shape[1:])
 
     def _note_recomputed(self, m: nn.Module, call: _Call) -> None:
         """A call captured during backward (a checkpointed block's recomputation): dropped when that
@@ -528,6 +564,7 @@ class ClippingEngine:
         self._recomputed.clear()
         self._backward_seen = False
         self._token_loss_used = False
+        self._unexpanded.clear()
         self._first_batch = self._root_batch = None
 
     def detach(self, by: str = "user") -> None:
@@ -599,6 +636,12 @@ class ClippingEngine:
                         "(LoRA) instead") from None
                 flat = nb != n and self._flattened(m, handler, nb, n)
                 used.append((m, call, n if flat else nb, nb if flat else 0))
+        for m in (m for m, call, _, _ in used if m in self._unexpanded):
+            raise CorrnoiseError(
+                "module", f"'{self._paths[m]}' ({type(m).__name__}) returns an output of batch dimension 1 in a batch of "
+                f"{n}, shared by its examples (a position embedding?): the engine gives each example its share once "
+                "optimizer.check_attribution on a first batch of at least 2 examples has verified that the model "
+                "uses it by broadcasting (PrivateTrainer runs it)")
         sizes = [nb for _, _, nb, _ in used]
         b = sizes[0] if sizes else None
         if len(set(sizes)) > 1:  # one call's batch is not the others' (all of them other than n: batch_size's error)
