@@ -336,8 +336,8 @@ def test_hugging_face_models_pass_with_room_to_spare(kind):
     batch = _padded()
     report = check_attribution(engine, losses, batch, examples=5)
     assert report.worst < 0.1
-    assert report.flattened == ([f"model.decoder.layers.{i}.{n}" for i in (0, 1) for n in ("fc1", "fc2", "final_layer_norm")]
-                                if kind == "opt" else [])
+    opt_mlp = [f"model.decoder.layers.{i}.{n}" for i in (0, 1) for n in ("fc1", "fc2", "final_layer_norm")]
+    assert report.flattened == (opt_mlp if kind == "opt" else [])
     assert report.shared == (["model.decoder.embed_positions"] if kind == "bart" else [])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert check_attribution(engine, losses, batch, examples=5, compute_dtype=torch.bfloat16).worst < 0.1

@@ -27,10 +27,9 @@ What changes against the plain Trainer, and why:
   for anything else. The model is called without ``labels``; an encoder-decoder model gets the
   ``decoder_input_ids`` it would have made from them. Evaluation uses the model's own loss, unchanged.
 * **Attribution check.** Before the first step's forward (also of a resumed run), the first
-  micro-batch of at least 2 examples is run once more in eval mode and up to 3 of its examples
-  alone, and the clipping
-  engine's gradient of each must be autograd's gradient of that example's loss computed alone
-  (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`). A model with a layer that sees a
+  micro-batch of at least 2 examples is run once more in eval mode, and up to 3 of its examples
+  alone: the clipping engine's gradient of each must be autograd's gradient of that example's
+  loss computed alone (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`). A model with a layer that sees a
   table of the batch's length instead of the batch, or a ``per_example_losses`` that mixes
   examples, is refused in one line before any noise is added; no privacy is spent. Layers that see
   the batch flattened to (B*T, d) (OPT's decoder MLPs) or return an output shared by the batch
@@ -346,8 +345,9 @@ class PrivateTrainer(transformers.Trainer):
 
     def _check_attribution(self, model, inputs) -> None:
         """Before the forward of the first micro-batch of at least 2 examples (also of a resumed
-        run): each example's gradient from this micro-batch is its own (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`, with
-        :meth:`per_example_losses`, in eval mode). No privacy is spent; a model that fails it is
+        run): each example's gradient from this micro-batch is its own
+        (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`, with :meth:`per_example_losses`,
+        in eval mode). No privacy is spent; a model that fails it is
         refused before any noise is added. ``check_attribution=False`` skips it."""
         inputs = self._prepare_inputs(dict(inputs))
         plain = self.accelerator.unwrap_model(model)

@@ -11,4 +11,5 @@ from .engine import OPAQUE_TYPES, ClippingEngine
 from .layers import LAYER_HANDLERS, is_conv1d_like, register_layer
 from .recurrent import recurrent_handler  # registers the nn.LSTM / nn.GRU / nn.RNN rule
 
-__all__ = ["ClippingEngine", "check_attribution", "LAYER_HANDLERS", "OPAQUE_TYPES", "is_conv1d_like", "recurrent_handler", "register_layer"]
+__all__ = ["ClippingEngine", "check_attribution", "LAYER_HANDLERS", "OPAQUE_TYPES", "is_conv1d_like",
+           "recurrent_handler", "register_layer"]

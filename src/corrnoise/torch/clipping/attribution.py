@@ -21,9 +21,12 @@ gradients and the engine as they were.
 
 What it cannot see: a parameter whose gradient is zero on the checked examples (peft's LoRA A
 factors while B is still zero) agrees trivially; behaviour only in training mode (it runs in eval
-mode, so that both computations are one function: dropout is covered by the engine's own exactness
-tests instead); and a model that treats other batches differently from the checked one. ``PrivateTrainer`` runs it on its first batch;
-``DPOptimizer.check_attribution`` offers it to a ``make_private`` loop.
+mode, so that both computations are one function: dropout is covered by the engine's own
+exactness tests instead); and a model that treats other batches differently from the checked one.
+
+``PrivateTrainer`` runs it on its first batch; ``DPOptimizer.check_attribution`` offers it to a
+``make_private`` loop. It also verifies two batch layouts the engine accepts only after it (rows
+of the batch flattened; an output shared by the batch: :mod:`.engine`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ __all__ = ["ATTRIBUTION_RTOL", "AttributionReport", "attribution_tolerance", "ch
 #: relative tolerance on one parameter's per-example gradient, by the dtype computed in. The engine
 #: and the reference compute the same gradient in a different order (a batched product against one
 #: example's, another BLAS blocking), so they differ by rounding. Measured (2-layer GPT-2, BERT,
-#: Llama-style and their LoRA, widths 64 and 256, padded batches; tests/test_attribution.py): at
+#: Llama-style and their LoRA, widths 64 and 256, padded batches; benchmarks/RESULTS.md, "Per-example
+#: attribution check"; tests/test_attribution.py keeps to a tenth of each tolerance): at
 #: most 1.4e-15 in float64, 1.1e-6 in float32 and 9.3e-3 under bf16 autocast: 2-20 units of the
 #: dtype's roundoff. Float64 parameters get float32's tolerance: parts of a model may compute in
 #: float32 whatever its parameters (transformers' RMSNorm: ~1e-7 in a float64 Llama-style model).
@@ -144,9 +148,10 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
             p.grad = g
         for m, mode in modes:
             m.training = mode
+    layouts = engine._layout_seen
     report = AttributionReport(examples=chosen, batch_size=b, worst=worst, parameter=where and where[0],
-                               flattened=sorted(engine._paths[m] for m, k in engine._layout_seen.items() if k == "flattened"),
-                               shared=sorted(engine._paths[m] for m, k in engine._layout_seen.items() if k == "shared"))
+                               flattened=sorted(engine._paths[m] for m, kind in layouts.items() if kind == "flattened"),
+                               shared=sorted(engine._paths[m] for m, kind in layouts.items() if kind == "shared"))
     if worst > 1.0:
         name, j = where
         raise CorrnoiseError(
@@ -159,7 +164,8 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
 
 def _losses(per_example_loss, batch, expected: int | None) -> torch.Tensor:
     losses = per_example_loss(batch)
-    if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or (expected is not None and losses.numel() != expected):
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or (
+            expected is not None and losses.numel() != expected):
         shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         want = f"({expected},)" if expected is not None else "(B,)"
         raise CorrnoiseError("per_example_loss", f"must return one loss per example, shape {want}, got {shape}")

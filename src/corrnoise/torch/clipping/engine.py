@@ -638,10 +638,10 @@ class ClippingEngine:
                 used.append((m, call, n if flat else nb, nb if flat else 0))
         for m in (m for m, call, _, _ in used if m in self._unexpanded):
             raise CorrnoiseError(
-                "module", f"'{self._paths[m]}' ({type(m).__name__}) returns an output of batch dimension 1 in a batch of "
-                f"{n}, shared by its examples (a position embedding?): the engine gives each example its share once "
-                "optimizer.check_attribution on a first batch of at least 2 examples has verified that the model "
-                "uses it by broadcasting (PrivateTrainer runs it)")
+                "module", f"'{self._paths[m]}' ({type(m).__name__}) returns an output of batch dimension 1 in a "
+                f"batch of {n}, shared by its examples (a position embedding?): the engine gives each example its "
+                "share once optimizer.check_attribution on a first batch of at least 2 examples has verified that the "
+                "model uses it by broadcasting (PrivateTrainer runs it)")
         sizes = [nb for _, _, nb, _ in used]
         b = sizes[0] if sizes else None
         if len(set(sizes)) > 1:  # one call's batch is not the others' (all of them other than n: batch_size's error)
@@ -652,8 +652,8 @@ class ClippingEngine:
                 hint = (f"; if its rows are the batch flattened ({nb // ref} per example, as OPT's decoder layers call "
                         "their MLP), optimizer.check_attribution on a first batch of at least 2 examples verifies that "
                         "and lets it through (PrivateTrainer runs it)")
-            raise CorrnoiseError(
-                "module", f"'{self._paths[m]}' has batch dimension {nb}, others {ref} (inputs must be batch-first){hint}")
+            raise CorrnoiseError("module", f"'{self._paths[m]}' has batch dimension {nb}, others {ref} (inputs must be "
+                                 f"batch-first){hint}")
         self._computing = True
         try:
             for m, call, _, rows in used:
