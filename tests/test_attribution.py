@@ -149,6 +149,18 @@ class _SharedPositions(nn.Module):
         return self.head(torch.tanh(h)).mean(dim=(1, 2)).square()
 
 
+class _Reshaped(nn.Module):
+    """Takes the shared (1, L, d) output as one (L, d) table (``view``): expanded to the batch it
+    has B*L*d numbers and the model fails."""
+
+    def __init__(self, length=5, d=3):
+        super().__init__()
+        self.pos, self.lin = _Table(length, d), nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.lin(x + self.pos(x).view(x.shape[1], x.shape[2])).mean(dim=(1, 2))
+
+
 class _Table(nn.Module):
     def __init__(self, length, d):
         super().__init__()
@@ -183,6 +195,12 @@ def test_an_output_shared_by_the_batch_is_expanded_once_the_check_verified_it_is
     indexed(x).sum().backward()
     with pytest.raises(CorrnoiseError, match="check_attribution"):  # still not verified
         engine.clipped_sum(4)
+    reshaped = _Reshaped().double()
+    engine = ClippingEngine(reshaped, "sum", 1.0)
+    with pytest.raises(CorrnoiseError, match="'pos'.*does not broadcast it") as err:
+        check_attribution(engine, reshaped, x)
+    _one_line(err, "model")
+    assert reshaped.training and not any(engine._calls.values())
 
 
 def test_a_loss_that_mixes_examples_is_refused():

@@ -120,7 +120,18 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
         for p in params:
             p.grad = None
         with torch.enable_grad():
-            losses = _losses(per_example_loss, batch, None)
+            try:
+                losses = _losses(per_example_loss, batch, None)
+            except CorrnoiseError:
+                raise
+            except Exception as exc:  # a shared output expanded to the batch that the model does not broadcast
+                shared = [engine._paths[m] for m, kind in engine._layout_seen.items() if kind == "shared"]
+                if not shared:
+                    raise
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise CorrnoiseError("model", f"failed with the batch-shared output of {', '.join(map(repr, shared))} "
+                                     f"expanded to the batch ({type(exc).__name__}: {first}): the model does not "
+                                     "broadcast it; freeze that layer") from exc
             b = losses.shape[0]
             if b < 2:
                 raise CorrnoiseError("batch", f"has {b} example(s): with fewer than 2 no gradient can go to the wrong "
