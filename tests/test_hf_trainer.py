@@ -508,6 +508,19 @@ def test_bart_whose_decoder_position_embedding_is_shared_by_the_batch_trains_aft
     assert not torch.equal(_params(model)[name], before[name])
 
 
+def test_decoder_inputs_without_the_models_own_rule_are_its_labels_shifted_right():
+    # Whisper has no prepare_decoder_input_ids_from_labels: the start token, the labels shifted by
+    # one, ignored positions (-100) as padding
+    from corrnoise.integrations.transformers import _shifted_right
+
+    config = transformers.PretrainedConfig(decoder_start_token_id=7, pad_token_id=0)
+    labels = torch.tensor([[5, 6, 8, -100], [9, -100, -100, -100]])
+    assert _shifted_right(labels, config, "M").tolist() == [[7, 5, 6, 8], [7, 9, 0, 0]]
+    with pytest.raises(CorrnoiseError) as err:
+        _shifted_right(labels, transformers.PretrainedConfig(pad_token_id=0), "M")
+    _one_line(err, "model")
+
+
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
     trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
     with pytest.raises(CorrnoiseError) as err:

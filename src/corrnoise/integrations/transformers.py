@@ -25,15 +25,17 @@ What changes against the plain Trainer, and why:
   token loss, sequence classification its cross entropy (squared error for regression, binary
   cross entropy averaged over labels for multi-label). Override :meth:`PrivateTrainer.per_example_losses`
   for anything else. The model is called without ``labels``; an encoder-decoder model gets the
-  ``decoder_input_ids`` it would have made from them. Evaluation uses the model's own loss, unchanged.
-* **Attribution check.** Before the first step's forward (also of a resumed run), the first
-  micro-batch of at least 2 examples is run once more in eval mode, and up to 3 of its examples
-  alone: the clipping engine's gradient of each must be autograd's gradient of that example's
-  loss computed alone (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`). A model with a layer that sees a
+  ``decoder_input_ids`` it would have made from them (its own rule, else the labels shifted right
+  after ``decoder_start_token_id``: Whisper). Evaluation uses the model's own loss, unchanged.
+* **Attribution check.** Before its forward (also in a resumed run), the first micro-batch of at
+  least 2 examples (steps on smaller ones before it are taken: no gradient can go to the wrong
+  example there) is run once more in eval mode, and up to 3 of its examples alone: the clipping
+  engine's gradient of each must be autograd's gradient of that example's loss computed alone
+  (:meth:`~corrnoise.torch.DPOptimizer.check_attribution`). A model with a layer that sees a
   table of the batch's length instead of the batch, or a ``per_example_losses`` that mixes
-  examples, is refused in one line before any noise is added; no privacy is spent. Layers that see
-  the batch flattened to (B*T, d) (OPT's decoder MLPs) or return an output shared by the batch
-  (BART's decoder position embedding) are verified by it and then clipped.
+  examples, is refused in one line before that batch's step; the check itself spends no privacy.
+  Layers that see the batch flattened to (B*T, d) (OPT's decoder MLPs) or return an output shared
+  by the batch (BART's decoder position embedding) are verified by it and then clipped.
   ``check_attribution=False`` skips it; ``trainer.attribution_report`` says what was compared.
 * **Clipping.** ``TrainingArguments.max_grad_norm`` never clips the raw gradients (the
   per-example clip of the mechanism is the privacy one); it is the default of
@@ -383,10 +385,8 @@ class PrivateTrainer(transformers.Trainer):
             base = self.accelerator.unwrap_model(model)
             base = base.get_base_model() if hasattr(base, "get_base_model") else base
             prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
-            if prepare is None:
-                raise CorrnoiseError("model", f"{type(base).__name__} is an encoder-decoder model without "
-                                     "prepare_decoder_input_ids_from_labels: put decoder_input_ids in the batches")
-            given["decoder_input_ids"] = prepare(labels=inputs["labels"])
+            given["decoder_input_ids"] = prepare(labels=inputs["labels"]) if prepare is not None else \
+                _shifted_right(inputs["labels"], config, type(base).__name__)
         return given
 
     def per_example_losses(self, model, outputs, labels) -> torch.Tensor:
@@ -553,6 +553,20 @@ def _sequence_losses(logits: torch.Tensor, labels: torch.Tensor, config) -> torc
         return losses.reshape(losses.shape[0], -1).mean(1)
     raise CorrnoiseError("problem_type", f"{problem!r} has no per-example loss here; override "
                          "PrivateTrainer.per_example_losses")
+
+
+def _shifted_right(labels: torch.Tensor, config, name: str) -> torch.Tensor:
+    """Decoder inputs made from labels as encoder-decoder models make them (Whisper has no
+    ``prepare_decoder_input_ids_from_labels``): the decoder start token, then the labels shifted
+    right by one, -100 (ignored positions) replaced by the pad token."""
+    start = getattr(config, "decoder_start_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    if start is None or pad is None:
+        raise CorrnoiseError("model", f"{name} is an encoder-decoder model whose config has no "
+                             "decoder_start_token_id / pad_token_id: put decoder_input_ids in the batches")
+    shifted = labels.new_full(labels.shape, start)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == -100, pad)
 
 
 def _config_of(model):

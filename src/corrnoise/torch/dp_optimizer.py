@@ -76,6 +76,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.calibration = calibration
         self.plan = None  # make_private sets it
         self.steps_taken = 0
+        self.attribution_checked = False  # check_attribution passed (on a batch of at least 2)
         self.last_stats: dict[str, Any] = {}
         if nan_policy not in NAN_POLICIES:
             raise CorrnoiseError("nan_policy", f"must be one of {', '.join(NAN_POLICIES)}, got {nan_policy!r}")
@@ -159,7 +160,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.detach(by="optimizer")  # a second call (an engine already detached) changes nothing
 
     def check_attribution(self, per_example_loss, batch, *, examples: int = 3, compute_dtype=None):
-        """Check once, on a real batch, that the engine gives each example its own gradient:
+        """Check once, on a real batch of at least 2 examples, that the engine gives each example its
+        own gradient (until then ``attribution_checked`` is False: with the private loader's batch
+        of 0 or 1 examples in hand it returns None and stays pending, since no gradient can go to
+        the wrong example there, so ``if not optimizer.attribution_checked:
+        optimizer.check_attribution(...)`` in the loop checks the first batch that can be checked):
         ``per_example_loss(batch)`` returns one loss per example, shape (B,) (e.g. ``lambda b:
         F.cross_entropy(model(b[0]), b[1], reduction="none")``). For ``examples`` of them the
         engine's gradient from the whole batch is compared with autograd's gradient of that
@@ -170,7 +175,11 @@ class DPOptimizer(torch.optim.Optimizer):
         (``torch.bfloat16``) where the model's forward runs under autocast. Returns what it compared."""
         from .clipping.attribution import check_attribution
 
-        return check_attribution(self.engine, per_example_loss, batch, examples=examples, compute_dtype=compute_dtype)
+        if self.context.size is not None and self.context.size < 2:
+            return None
+        report = check_attribution(self.engine, per_example_loss, batch, examples=examples, compute_dtype=compute_dtype)
+        self.attribution_checked = True
+        return report
 
     def _check_step(self) -> None:
         self._check_trainable()

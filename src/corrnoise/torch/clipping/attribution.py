@@ -65,7 +65,9 @@ class AttributionReport(dict):
     ``worst`` (the largest difference relative to its tolerance, < 1 when it passed),
     ``parameter`` (where it was), ``flattened`` (layers that saw the batch flattened, B*m rows:
     :meth:`ClippingEngine._flattened`) and ``shared`` (layers whose (1, ...) output is broadcast to
-    the batch: :meth:`ClippingEngine._shared_output`); both kinds are let through from now on."""
+    the batch: :meth:`ClippingEngine._shared_output`); both kinds are let through from now on;
+    ``unexercised`` (parameters whose gradient was zero for every checked example, so they agreed
+    trivially: peft's LoRA A factors while B is zero)."""
 
     __getattr__ = dict.__getitem__
 
@@ -125,13 +127,17 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
             except CorrnoiseError:
                 raise
             except Exception as exc:  # a shared output expanded to the batch that the model does not broadcast
-                shared = [engine._paths[m] for m, kind in engine._layout_seen.items() if kind == "shared"]
+                shared = [m for m, kind in engine._layout_seen.items() if kind == "shared"]
                 if not shared:
                     raise
+                names = [engine.names[i] for m in shared for _, i in engine._owners[m][1]]
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise CorrnoiseError("model", f"failed with the batch-shared output of {', '.join(map(repr, shared))} "
-                                     f"expanded to the batch ({type(exc).__name__}: {first}): the model does not "
-                                     "broadcast it; freeze that layer") from exc
+                raise CorrnoiseError(
+                    "model", f"{', '.join(repr(engine._paths[m]) for m in shared)} returns one output for the whole "
+                    "batch (a position-bias table?) that the model does not broadcast against the batch (expanded to "
+                    f"it: {type(exc).__name__}: {first}), so its gradient is the batch's sum, not one per example; "
+                    f"freeze {', '.join(repr(n) for n in names)} (requires_grad_(False)) or train adapters (LoRA) "
+                    "instead") from exc
             b = losses.shape[0]
             if b < 2:
                 raise CorrnoiseError("batch", f"has {b} example(s): with fewer than 2 no gradient can go to the wrong "
@@ -140,6 +146,7 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
         chosen = _chosen(b, k)
         engine.max_grad_norm = math.inf  # clip factor 1: the sum with a one-hot weight is g_j itself
         worst, where = 0.0, None
+        untouched = set(engine.names)  # parameters with a zero gradient for every checked example
         for j in chosen:  # one example's two gradients held at a time
             weights = torch.zeros(b)
             weights[j] = 1.0
@@ -147,6 +154,7 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
             with engine.paused(), torch.enable_grad():  # what the engine captured stays for the next example
                 alone = _losses(per_example_loss, example_of(batch, j, b), 1)
                 ref = torch.autograd.grad(alone.sum(), params, allow_unused=True)
+            untouched -= {n for n, r in zip(engine.names, ref) if r is not None and bool(r.any())}
             ratio, name = _worst_difference(engine.names, params, ours, ref, compute_dtype)
             del ours, ref
             if ratio > worst:
@@ -162,13 +170,15 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
     layouts = engine._layout_seen
     report = AttributionReport(examples=chosen, batch_size=b, worst=worst, parameter=where and where[0],
                                flattened=sorted(engine._paths[m] for m, kind in layouts.items() if kind == "flattened"),
-                               shared=sorted(engine._paths[m] for m, kind in layouts.items() if kind == "shared"))
+                               shared=sorted(engine._paths[m] for m, kind in layouts.items() if kind == "shared"),
+                               unexercised=[n for n in engine.names if n in untouched])
     if worst > 1.0:
         name, j = where
         raise CorrnoiseError(
             "model", f"example {j}'s gradient of '{name}' from the batch of {b} is not its gradient computed alone "
-            f"({worst:.3g}x the tolerance): a layer sees the batch other than on dim 0 (a table of length {b} called "
-            "without the batch?) or the loss mixes examples; freeze that layer or compute each example's loss alone")
+            f"({worst:.3g}x the tolerance): the loss mixes examples (compute each example's loss from its own "
+            f"outputs alone), or a layer sees the batch other than on dim 0 (a table of length {b} called without "
+            "the batch?: freeze that layer)")
     engine._layout_verified.update(engine._layout_seen)  # flattened rows example-major, shared outputs broadcast
     return report
 
