@@ -521,6 +521,26 @@ def test_decoder_inputs_without_the_models_own_rule_are_its_labels_shifted_right
     _one_line(err, "model")
 
 
+def test_whisper_trains_with_its_labels_shifted_right_as_decoder_inputs(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=V, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        dropout=0.0))
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for i in range(N):
+        labels = torch.full((6,), -100)
+        labels[:2 + i % 4] = torch.randint(3, V, (2 + i % 4,), generator=g)
+        data.append({"input_features": torch.randn(8, 32, generator=g), "labels": labels})
+    before = _params(model)
+    trainer = PrivateTrainer(model=model, args=_args(tmp_path), train_dataset=data, privacy=PRIVACY)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2 and trainer.attribution_report.worst < 0.1
+    assert not torch.equal(_params(model)["model.decoder.embed_tokens.weight"], before["model.decoder.embed_tokens.weight"])
+
+
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
     trainer = _trainer(tmp_path, privacy=dict(PRIVACY, max_noise_memry=10))
     with pytest.raises(CorrnoiseError) as err:
