@@ -116,6 +116,7 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
     modes = [(m, m.training) for m in module.modules()]
     grads = [p.grad for p in params]
     clip = engine.max_grad_norm
+    verified = engine._verified  # the first real step still checks its sum against autograd, in training mode
     engine._layout_probe, engine._layout_seen = True, {}
     try:
         module.eval()
@@ -161,6 +162,7 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
                 worst, where = ratio, (name, j)
     finally:
         engine.max_grad_norm = clip
+        engine._verified = verified
         engine._layout_probe = False
         engine.clear()
         for p, g in zip(params, grads):
