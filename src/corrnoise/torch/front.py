@@ -31,7 +31,11 @@ What each piece does (tutorial Alg. 3.1):
 * the **optimizer** is a :class:`torch.optim.Optimizer` (schedulers, ``state_dict`` and
   ``param_groups`` work) that wraps the user's: ``step()`` takes the engine's clipped sum, adds
   max_grad_norm * noise_std * (C^-1 Z)[t] and divides by the expected batch size
-  (:mod:`.privatizer`), then runs the wrapped optimizer's update.
+  (:mod:`.privatizer`), then runs the wrapped optimizer's update. Once in the loop, before a
+  forward, ``if not optimizer.attribution_checked: optimizer.check_attribution(per_example_loss,
+  batch)`` checks on that batch that each example's gradient is its own
+  (:mod:`.clipping.attribution`; models whose layers see the batch flattened or share an output
+  over it, OPT and BART, train only after it).
 
 Every decision about the run (mechanism, batching, sampler, agreement with the accounting,
 noise) is :func:`corrnoise.runplan.plan_run`'s -- nothing here repeats a privacy precondition.
