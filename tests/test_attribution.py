@@ -291,6 +291,10 @@ def test_a_per_example_loss_of_the_wrong_shape_is_one_line():
     with pytest.raises(CorrnoiseError) as err:
         check_attribution(engine, lambda b: F.cross_entropy(net(b[0]), b[1], reduction="none"), (x, y), examples=0)
     _one_line(err, "examples")
+    with pytest.raises(CorrnoiseError) as err:
+        check_attribution(engine, lambda b: F.cross_entropy(net(b[0]), b[1], reduction="none"), (x, y),
+                          compute_dtype="bf16")
+    _one_line(err, "compute_dtype")
 
 
 def test_example_of_cuts_every_batch_tensor_and_keeps_the_rest():

@@ -32,12 +32,14 @@ of the batch flattened; an output shared by the batch: :mod:`.engine`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_map
 
 from ...errors import CorrnoiseError, check_int
+from .engine import shared_by_batch_advice
 
 __all__ = ["ATTRIBUTION_RTOL", "AttributionReport", "attribution_tolerance", "check_attribution", "example_of"]
 
@@ -60,7 +62,8 @@ ATTRIBUTION_RTOL = {torch.float64: 1e-3, torch.float32: 1e-3, torch.bfloat16: 0.
 ABSOLUTE_FLOOR = 1e-3
 
 
-class AttributionReport(dict):
+@dataclass(frozen=True)
+class AttributionReport:
     """What :func:`check_attribution` compared: ``examples`` (indices in the batch), ``batch_size``,
     ``worst`` (the largest difference relative to its tolerance, < 1 when it passed),
     ``parameter`` (where it was), ``flattened`` (layers that saw the batch flattened, B*m rows:
@@ -69,7 +72,13 @@ class AttributionReport(dict):
     ``unexercised`` (parameters whose gradient was zero for every checked example, so they agreed
     trivially: peft's LoRA A factors while B is zero)."""
 
-    __getattr__ = dict.__getitem__
+    examples: list[int]
+    batch_size: int
+    worst: float
+    parameter: str | None
+    flattened: list[str]
+    shared: list[str]
+    unexercised: list[str]
 
 
 def attribution_tolerance(dtype: torch.dtype) -> float:
@@ -107,73 +116,44 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
     captured activations and two gradients of the model's size at a time. Raises a one-line
     :class:`CorrnoiseError` naming the parameter that differs most; returns the report otherwise.
     """
-    engine.check_attached()
     k = check_int("examples", examples, minimum=1)
-    if engine._backward_seen or any(engine._calls.values()):
-        raise CorrnoiseError("batch", "the attribution check needs an engine with nothing captured: run it before "
-                             "the step's forward (or after step() / zero_grad())")
-    module, params = engine.module, engine.parameters
+    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
+        raise CorrnoiseError("compute_dtype", f"must be a torch.dtype (torch.bfloat16) or None, got {compute_dtype!r}")
+    module, params, names = engine.module, engine.parameters, engine.names
     modes = [(m, m.training) for m in module.modules()]
     grads = [p.grad for p in params]
-    clip = engine.max_grad_norm
-    verified = engine._verified  # the first real step still checks its sum against autograd, in training mode
-    engine._layout_probe, engine._layout_seen = True, {}
+    worst, where, untouched = 0.0, None, set(names)  # untouched: a zero gradient for every checked example
     try:
-        module.eval()
-        for p in params:
-            p.grad = None
-        with torch.enable_grad():
-            try:
-                losses = _losses(per_example_loss, batch, None)
-            except CorrnoiseError:
-                raise
-            except Exception as exc:  # a shared output expanded to the batch that the model does not broadcast
-                shared = [m for m, kind in engine._layout_seen.items() if kind == "shared"]
-                if not shared:
-                    raise
-                names = [engine.names[i] for m in shared for _, i in engine._owners[m][1]]
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise CorrnoiseError(
-                    "model", f"{', '.join(repr(engine._paths[m]) for m in shared)} returns one output for the whole "
-                    "batch (a position-bias table?) that the model does not broadcast against the batch (expanded to "
-                    f"it: {type(exc).__name__}: {first}), so its gradient is the batch's sum, not one per example; "
-                    f"freeze {', '.join(repr(n) for n in names)} (requires_grad_(False)) or train adapters (LoRA) "
-                    "instead") from exc
-            b = losses.shape[0]
-            if b < 2:
-                raise CorrnoiseError("batch", f"has {b} example(s): with fewer than 2 no gradient can go to the wrong "
-                                     "example, so nothing would be checked; pass a batch of at least 2")
-            (losses.mean() if engine.loss_reduction == "mean" else losses.sum()).backward()
-        chosen = _chosen(b, k)
-        engine.max_grad_norm = math.inf  # clip factor 1: the sum with a one-hot weight is g_j itself
-        worst, where = 0.0, None
-        untouched = set(engine.names)  # parameters with a zero gradient for every checked example
-        for j in chosen:  # one example's two gradients held at a time
-            weights = torch.zeros(b)
-            weights[j] = 1.0
-            ours, _ = engine.clipped_sum(b, weights=weights)
-            with engine.paused(), torch.enable_grad():  # what the engine captured stays for the next example
-                alone = _losses(per_example_loss, example_of(batch, j, b), 1)
-                ref = torch.autograd.grad(alone.sum(), params, allow_unused=True)
-            untouched -= {n for n, r in zip(engine.names, ref) if r is not None and bool(r.any())}
-            ratio, name = _worst_difference(engine.names, params, ours, ref, compute_dtype)
-            del ours, ref
-            if ratio > worst:
-                worst, where = ratio, (name, j)
+        with engine._attribution_probe() as seen:
+            module.eval()
+            for p in params:
+                p.grad = None
+            with torch.enable_grad():
+                losses = _batch_losses(engine, per_example_loss, batch, seen)
+                b = losses.shape[0]
+                (losses.mean() if engine.loss_reduction == "mean" else losses.sum()).backward()
+            chosen = _chosen(b, k)
+            for j in chosen:  # one example's two gradients held at a time
+                weights = torch.zeros(b)
+                weights[j] = 1.0
+                ours, _ = engine.clipped_sum(b, weights=weights)  # clipping off: example j's gradient
+                with engine.paused(), torch.enable_grad():  # what the engine captured stays for the next example
+                    alone = _losses(per_example_loss, example_of(batch, j, b), 1)
+                    ref = torch.autograd.grad(alone.sum(), params, allow_unused=True)
+                untouched -= {n for n, r in zip(names, ref) if r is not None and bool(r.any())}
+                ratio, name = _worst_difference(names, params, ours, ref, compute_dtype)
+                del ours, ref
+                if ratio > worst:
+                    worst, where = ratio, (name, j)
     finally:
-        engine.max_grad_norm = clip
-        engine._verified = verified
-        engine._layout_probe = False
-        engine.clear()
         for p, g in zip(params, grads):
             p.grad = g
         for m, mode in modes:
             m.training = mode
-    layouts = engine._layout_seen
     report = AttributionReport(examples=chosen, batch_size=b, worst=worst, parameter=where and where[0],
-                               flattened=sorted(engine._paths[m] for m, kind in layouts.items() if kind == "flattened"),
-                               shared=sorted(engine._paths[m] for m, kind in layouts.items() if kind == "shared"),
-                               unexercised=[n for n in engine.names if n in untouched])
+                               flattened=engine._layout_paths(seen, "flattened"),
+                               shared=engine._layout_paths(seen, "shared"),
+                               unexercised=[n for n in names if n in untouched])
     if worst > 1.0:
         name, j = where
         raise CorrnoiseError(
@@ -181,8 +161,31 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
             f"({worst:.3g}x the tolerance): the loss mixes examples (compute each example's loss from its own "
             f"outputs alone), or a layer sees the batch other than on dim 0 (a table of length {b} called without "
             "the batch?: freeze that layer)")
-    engine._layout_verified.update(engine._layout_seen)  # flattened rows example-major, shared outputs broadcast
+    engine._verify_layouts(seen)  # flattened rows example-major, shared outputs broadcast
     return report
+
+
+def _batch_losses(engine, per_example_loss, batch, seen) -> torch.Tensor:
+    """The whole batch's losses through the engine, at least 2 of them. A model that fails once a
+    batch-shared output is expanded to the batch does not broadcast it: one line naming it."""
+    try:
+        losses = _losses(per_example_loss, batch, None)
+    except CorrnoiseError:
+        raise
+    except Exception as exc:
+        shared = [m for m, kind in seen.items() if kind == "shared"]
+        if not shared:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        paths = ", ".join(map(repr, engine._layout_paths(seen, "shared")))
+        raise CorrnoiseError(
+            "model", f"{paths} returns one output for the whole batch (a position-bias table?) that the model does "
+            f"not broadcast against the batch (expanded to it: {type(exc).__name__}: {first}), so "
+            f"{shared_by_batch_advice(', '.join(map(repr, engine._owned_names(shared))))}") from exc
+    if losses.shape[0] < 2:
+        raise CorrnoiseError("batch", f"has {losses.shape[0]} example(s): with fewer than 2 no gradient can go to the "
+                             "wrong example, so nothing would be checked; pass a batch of at least 2")
+    return losses
 
 
 def _losses(per_example_loss, batch, expected: int | None) -> torch.Tensor:

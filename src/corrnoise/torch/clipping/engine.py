@@ -123,6 +123,7 @@ writes.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from typing import Any
@@ -179,8 +180,7 @@ def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
     table = _position_bias_table(m)
     if table is not None and id(table.weight) in trainable:
         return (f"'{path}.relative_attention_bias' is a position bias shared by the whole batch (T5-style relative "
-                "attention): its gradient is the batch's sum, not one per example; freeze it (requires_grad_(False)) "
-                "or train adapters (LoRA) instead")
+                f"attention): {shared_by_batch_advice('it')}")
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         return f"'{name}' ({type(m).__name__}) mixes examples (batch statistics); replace it with GroupNorm or LayerNorm"
     if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
@@ -188,6 +188,13 @@ def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
     if isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and not m.batch_first:
         return f"'{name}' ({type(m).__name__}) needs batch_first=True (per-example gradients map over dim 0)"
     return None
+
+
+def shared_by_batch_advice(what: str) -> str:
+    """The end of every refusal of a parameter the whole batch shares (a position-bias table): why,
+    and what to do with ``what`` (its name(s))."""
+    return (f"its gradient is the batch's sum, not one per example; freeze {what} (requires_grad_(False)) or train "
+            "adapters (LoRA) instead")
 
 
 def _outer_registrations(module: nn.Module) -> set[tuple[str, int]]:
@@ -555,6 +562,38 @@ class ClippingEngine:
         finally:
             self._computing = before
 
+    @contextlib.contextmanager
+    def _attribution_probe(self):
+        """The engine's side of :func:`.attribution.check_attribution`. Within it the two batch
+        layouts the check verifies are let through and noted (:meth:`_flattened`,
+        :meth:`_shared_output`; the dict yielded: layer -> "flattened" / "shared") and clipping is
+        off (a sum with a one-hot weight is that example's gradient). Afterwards nothing is
+        captured, and the first step's sum check against autograd is still to come (in training
+        mode, where a train-only use of a parameter would show). :meth:`_verify_layouts` after a
+        passed check lets the noted layers through from then on."""
+        self.check_attached()
+        if self._backward_seen or any(self._calls.values()):
+            raise CorrnoiseError("batch", "the attribution check needs an engine with nothing captured: run it before "
+                                 "the step's forward (or after step() / zero_grad())")
+        clip, verified = self.max_grad_norm, self._verified
+        self._layout_probe, self._layout_seen, self.max_grad_norm = True, {}, math.inf
+        try:
+            yield self._layout_seen
+        finally:
+            self.max_grad_norm, self._verified, self._layout_probe = clip, verified, False
+            self.clear()
+
+    def _verify_layouts(self, seen: dict[nn.Module, str]) -> None:
+        self._layout_verified.update(seen)
+
+    def _layout_paths(self, seen: dict[nn.Module, str], kind: str) -> list[str]:
+        """Paths of the layers in ``seen`` with that layout."""
+        return sorted(self._paths[m] for m, k in seen.items() if k == kind)
+
+    def _owned_names(self, layers) -> list[str]:
+        """Names of the clipped parameters ``layers`` own."""
+        return [self.names[i] for m in layers for _, i in self._owners[m][1]]
+
     def clear(self) -> None:
         """Drop captured activations and grad outputs (call after each clipped sum)."""
         for calls in self._calls.values():
@@ -631,12 +670,12 @@ class ClippingEngine:
                 except CorrnoiseError:
                     raise CorrnoiseError(
                         "module", f"'{self._paths[m]}' ({type(m).__name__}) was called without a batched tensor input: "
-                        "its parameters are shared by the whole batch (a position-bias table?), so their gradient is "
-                        "the batch's sum, not one per example; freeze them (requires_grad_(False)) or train adapters "
-                        "(LoRA) instead") from None
+                        "its parameters are shared by the whole batch (a position-bias table?), so "
+                        f"{shared_by_batch_advice('them')}") from None
                 flat = nb != n and self._flattened(m, handler, nb, n)
                 used.append((m, call, n if flat else nb, nb if flat else 0))
-        for m in (m for m, call, _, _ in used if m in self._unexpanded):
+        m = next((u[0] for u in used if u[0] in self._unexpanded), None)
+        if m is not None:
             raise CorrnoiseError(
                 "module", f"'{self._paths[m]}' ({type(m).__name__}) returns an output of batch dimension 1 in a "
                 f"batch of {n}, shared by its examples (a position embedding?): the engine gives each example its "
