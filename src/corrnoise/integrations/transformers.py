@@ -189,7 +189,7 @@ class PrivateTrainer(transformers.Trainer):
         self.private_optimizer: DPOptimizer | None = None
         self._resume_dir: str | None = None
         self._released_norm: float | None = None
-        self._attribution_pending = bool(check_attribution)
+        self._check_attribution_on = bool(check_attribution)
         self.attribution_report = None
         super().__init__(*args, **kwargs)
         _refuse_trainer_settings(self)
@@ -338,8 +338,8 @@ class PrivateTrainer(transformers.Trainer):
         if micro.size == 0:
             loss = torch.zeros((), device=self.args.device)
         else:
-            if self._attribution_pending and micro.size >= 2:  # one example: no gradient can go astray
-                self._check_attribution(model, inputs)
+            if self._check_attribution_on and not self.private_optimizer.attribution_checked:
+                self._check_attribution(model, inputs)  # waits (None) while the micro-batch has fewer than 2
             loss = super().training_step(model, inputs, *args, **kwargs)
         if micro.more:
             self.private_optimizer.step()  # mid logical batch: keeps the clipped sum, adds no noise
@@ -359,7 +359,6 @@ class PrivateTrainer(transformers.Trainer):
 
         autocast = torch.bfloat16 if self.args.bf16 else None  # accelerate's autocast wraps the model's forward
         self.attribution_report = self.private_optimizer.check_attribution(per_example, inputs, compute_dtype=autocast)
-        self._attribution_pending = False
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """In training, the mean over the micro-batch of :meth:`per_example_losses`; in
