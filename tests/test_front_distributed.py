@@ -183,5 +183,9 @@ def test_planned_mechanisms_are_refused_in_distributed_runs():
         with pytest.raises(CorrnoiseError, match="^mechanism: 'auto' would be planned on every rank"):
             front.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), DataLoader(_data(), batch_size=B),
                                mechanism="auto", epsilon=4.0, delta=1e-5, max_grad_norm=1.0, epochs=1)
+        # a family that names one mechanism, with a given noise, plans nothing: DP-SGD on every rank alike
+        _, opt, _ = front.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), DataLoader(_data(), batch_size=B),
+                                       mechanism="dpsgd", noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, epochs=1)
+        assert opt.plan.label == "dpsgd"
     finally:
         dist.destroy_process_group()

@@ -24,7 +24,7 @@ from corrnoise.cli import cli
 from corrnoise.errors import CorrnoiseError
 from corrnoise.runplan import RunPlan, balls_in_bins_accounted_steps, check_agreement, plan_run
 from corrnoise.sampling import BlockCyclicPoissonSampler, CyclicSampler, PoissonSampler
-from corrnoise.strategies import Dense, Identity, parse_strategy
+from corrnoise.strategies import Dense, Identity, OnlineTree, parse_strategy
 from corrnoise.torch import make_private
 
 N, B = 100, 10
@@ -367,3 +367,26 @@ def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_gu
     assert calls == [(plan.noise_std, plan.guarantee.epsilon)]
     _tamper(path, lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] / 2))
     assert "verification" in _refused(path, "verify")
+
+
+@pytest.mark.parametrize("noise", [{"noise_multiplier": 1.3}, {"noise_std": 2.0}])
+@pytest.mark.parametrize("name, kind", [("dpsgd", Identity), ("tree", OnlineTree)])
+def test_a_family_that_names_one_mechanism_with_a_given_noise_is_that_mechanism(name, kind, noise):
+    # mechanism="dpsgd", noise_multiplier=... is DP-SGD, as in Opacus: the planner has nothing to
+    # choose, and the run is the one the mechanism's own name gives (parse_strategy)
+    given = plan_run(dataset_size=N, batch_size=B, epochs=2, mechanism=name, delta=1e-5, **noise)
+    named = plan_run(dataset_size=N, batch_size=B, epochs=2, mechanism=parse_strategy(name, 20), delta=1e-5, **noise)
+    assert isinstance(given.strategy, kind) and given.label == name
+    assert given.fingerprint == named.fingerprint and given.sampler.name == named.sampler.name
+    assert given.noise_std == named.noise_std and given.steps == named.steps
+    assert given.sampler.name == ("poisson" if name == "dpsgd" else "cyclic")
+    _, opt, _ = _front(mechanism=name, delta=1e-5, epochs=2, **noise)
+    assert isinstance(opt.plan.strategy, kind)
+
+
+@pytest.mark.parametrize("name", ["auto", "bandmf", "blt", "dpcgd", "toeplitz", "dense"])
+def test_a_family_the_planner_designs_with_a_given_noise_is_one_line(name):
+    with pytest.raises(CorrnoiseError) as err:
+        plan_run(dataset_size=N, batch_size=B, epochs=2, mechanism=name, delta=1e-5, noise_multiplier=1.0)
+    _one_line(err, "mechanism")
+    assert "give epsilon" in str(err.value) and "bsr:B" in str(err.value)  # the names that take a given noise

@@ -300,7 +300,7 @@ class PrivateTrainer(transformers.Trainer):
                 raise CorrnoiseError("max_steps", f"is {self.args.max_steps} but the plan has {plan.steps} steps; "
                                      "leave max_steps unset (-1) to train the plan")
             return {**kwargs, "plan": plan}
-        _refuse_planning_per_rank(kwargs.get("mechanism", "auto"), self.args.world_size)
+        _refuse_planning_per_rank(kwargs, self.args.world_size)
         length = {"steps": self.args.max_steps} if self.args.max_steps > 0 else \
             {"epochs": float(self.args.num_train_epochs)}
         return {**kwargs, **length}
@@ -599,10 +599,11 @@ def _privacy_kwargs(privacy, plan) -> dict[str, Any]:
     return kwargs
 
 
-def _refuse_planning_per_rank(mechanism, world_size: int) -> None:
+def _refuse_planning_per_rank(kwargs: dict[str, Any], world_size: int) -> None:
     """With several processes, ``auto`` or a planner family would be planned on every rank (the
     planner's Monte Carlo screening could choose differently): one line asking for a plan."""
-    if world_size > 1 and is_planned(mechanism):
+    mechanism = kwargs.get("mechanism", "auto")
+    if world_size > 1 and is_planned(mechanism, calibrated=kwargs.get("epsilon") is not None):
         raise CorrnoiseError("mechanism", f"{mechanism!r} would be planned on each of the {world_size} processes "
                              "(they could choose differently): plan once (corrnoise.runplan.plan_run, or corrnoise "
                              "plan --plan-out FILE) and pass PrivateTrainer(plan=...), or name a mechanism")
@@ -613,7 +614,8 @@ def _check_saved_plan(saved: RunPlan, kwargs: dict[str, Any]) -> None:
     another mechanism or batching, nor ask for a stronger guarantee (another delta, a smaller
     epsilon). ``auto`` and planner families accept the plan's choice."""
     mechanism = kwargs.get("mechanism")
-    if isinstance(mechanism, str) and not is_planned(mechanism) and mechanism != saved.label:
+    if isinstance(mechanism, str) and not is_planned(mechanism, calibrated=kwargs.get("epsilon") is not None) \
+            and mechanism != saved.label:
         raise CorrnoiseError("mechanism", f"the checkpoint's run uses {saved.label!r}, not {mechanism!r}")
     batching = kwargs.get("batching")
     if isinstance(batching, str) and batching != "auto" and saved.sampler.name not in (None, batching):

@@ -1,8 +1,9 @@
 """Which mechanism a run uses: a name or file parsed for the run's steps, or the planner's choice.
 
-``mechanism="auto"`` or a planner family (:data:`corrnoise.planner.FAMILIES`) asks the planner
-(:mod:`corrnoise.planner`, one set of rules) for the run's pipeline; any other string is a
-mechanism name or file (``identity``, ``bsr:4``, ``dpcgd:0.9``, ``plan/recommended.json``).
+``mechanism="auto"`` or a planner family (:data:`corrnoise.planner.FAMILIES`) with an epsilon
+asks the planner (:mod:`corrnoise.planner`, one set of rules) for the run's pipeline
+(:func:`is_planned`); any other string is a mechanism name or file (``identity``, ``bsr:4``,
+``dpcgd:0.9``, ``plan/recommended.json``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from ..errors import CorrnoiseError, check_int
 from ..pipelines import AUTO, batching_name, pipeline_of
 from ..strategies import Strategy, parse_strategy
 
-__all__ = ["is_planned", "parse_mechanism", "plan_mechanism", "planned_batching"]
+__all__ = ["is_planned", "names_a_mechanism", "parse_mechanism", "plan_mechanism", "planned_batching"]
 
 
 def parse_mechanism(mechanism: str, steps: int) -> Strategy:
@@ -27,11 +28,27 @@ def parse_mechanism(mechanism: str, steps: int) -> Strategy:
         raise CorrnoiseError("mechanism", f"{mechanism!r}: {exc}") from None
 
 
-def is_planned(mechanism: Any) -> bool:
-    """Whether ``mechanism`` is the planner's to choose: ``auto`` or a planner family."""
+def is_planned(mechanism: Any, *, calibrated: bool) -> bool:
+    """Whether ``mechanism`` is the planner's to choose: ``auto``, or a planner family whose noise
+    is to be ``calibrated`` for an epsilon. A family that is also one mechanism's name (``dpsgd``:
+    identity; ``tree``) with a given noise (noise_multiplier, noise_std, a guarantee) is that
+    mechanism, as :func:`corrnoise.strategies.parse_strategy` reads it: ``mechanism="dpsgd",
+    noise_multiplier=1.0`` is DP-SGD, as in Opacus."""
     from ..planner import FAMILIES
 
-    return isinstance(mechanism, str) and (mechanism == AUTO or mechanism in FAMILIES)
+    if not isinstance(mechanism, str) or (mechanism != AUTO and mechanism not in FAMILIES):
+        return False
+    return mechanism == AUTO or calibrated or not names_a_mechanism(mechanism)
+
+
+def names_a_mechanism(name: str) -> bool:
+    """Whether ``name`` is a mechanism :func:`corrnoise.strategies.parse_strategy` builds (a planner
+    family such as ``bandmf`` is not: the planner designs its members for a run)."""
+    try:
+        parse_strategy(name, 1)
+    except CorrnoiseError:
+        return False
+    return True
 
 
 def plan_mechanism(mechanism: str, batching: str, *, num_examples: int, batch_size: int, epochs, steps,

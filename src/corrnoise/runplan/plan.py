@@ -21,6 +21,7 @@ from ..errors import CorrnoiseError, check_int, check_real
 from ..pipelines import AUTO, BATCHINGS, PIPELINES, pipeline_of
 from ..sampling import BatchSampler, make_sampler
 from ..strategies import Strategy
+from ..strategies.registry import NAMES_HELP
 from .agreement import Agreement, check_agreement, matching_guarantee, refuse_non_guarantees
 from .batching import SamplerSpec, choose_batching, estimated_steps, pipeline_batching, sampling_for, steps_per_epoch
 from .mechanism import is_planned, parse_mechanism, plan_mechanism, planned_batching
@@ -83,10 +84,10 @@ def plan_run(
         check_run_size(dataset_size, batch_size, epochs, steps)
     given_epochs, label, planned = epochs, mechanism if isinstance(mechanism, str) else None, None
     asked_pipeline = None if ready is not None else pipeline_of(batching)
-    if is_planned(mechanism):
+    if is_planned(mechanism, calibrated=epsilon is not None and guarantee is None):
         if guarantee is not None or epsilon is None:
-            raise CorrnoiseError("mechanism", f"{mechanism!r} is chosen by the planner for a target: give epsilon "
-                                 "(or name a mechanism to use a given noise)")
+            raise CorrnoiseError("mechanism", f"{mechanism!r} is chosen by the planner for an epsilon: give epsilon, "
+                                 f"or name a mechanism to use a given noise ({NAMES_HELP})")
         if ready is not None:
             raise CorrnoiseError("mechanism", f"{mechanism!r} is chosen with its batching: pass batching as a name")
         mechanism, batching, steps, guarantee, planned = plan_mechanism(
@@ -182,7 +183,7 @@ def choose_mechanism(mechanism: str, *, num_examples: int, batch_size: int, epoc
     the batching the pipeline forms that suits it (:func:`pipeline_batching`), its noise
     calibrated for ``epsilon``.
     """
-    if is_planned(mechanism):
+    if is_planned(mechanism, calibrated=True):
         planned = plan_mechanism(mechanism, pipeline, num_examples=num_examples, batch_size=batch_size, epochs=epochs,
                                  steps=None, epsilon=epsilon, delta=delta, progress=progress)[-1]
         return candidate_choice(planned.recommended, planned)

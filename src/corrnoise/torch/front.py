@@ -245,7 +245,7 @@ def _prepare_plan(plan, planning: dict[str, Any], data: _Loader, par: _Parallel)
     if plan is not None:
         _check_given_plan(plan, planning, len(data.dataset), data.batch_size)
         return plan
-    if par.on and is_planned(planning["mechanism"]):
+    if par.on and is_planned(planning["mechanism"], calibrated=planning["epsilon"] is not None):
         raise CorrnoiseError("mechanism", f"{planning['mechanism']!r} would be planned on every rank (the planner's "
                              "Monte Carlo screening could pick different mechanisms); plan once (corrnoise plan "
                              "--plan-out FILE, or plan_run) and pass the plan")
