@@ -640,3 +640,88 @@ def test_the_integrations_package_imports_transformers_only_when_asked():
             "assert 'trl' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])})
+
+
+def _task_model(task):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=V, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return (transformers.BertForMultipleChoice if task == "choice" else transformers.BertForQuestionAnswering)(cfg)
+
+
+def _task_data(task, n=N, length=8):
+    """Multiple choice: 3 choices of `length` tokens and the right one's index; question answering:
+    a span's start and end (one example's end outside the sequence: ignored, as transformers does)."""
+    g = torch.Generator().manual_seed(5)
+    data = []
+    for i in range(n):
+        shape = (3, length) if task == "choice" else (length,)
+        ids = torch.randint(1, V, shape, generator=g)
+        item = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if task == "choice":
+            item["labels"] = torch.tensor(i % 3)
+        else:
+            item["start_positions"] = torch.tensor(i % length)
+            item["end_positions"] = torch.tensor(length + 4 if i == 1 else (i + 2) % length)
+        data.append(item)
+    return data
+
+
+@pytest.mark.parametrize("task", ["choice", "span"])
+def test_multiple_choice_and_question_answering_losses_are_the_models_per_example(tmp_path, task):
+    """Their per-example losses, averaged, are the model's own loss (question answering's where no
+    position is ignored: its built-in mean leaves ignored positions out of the count), each depends
+    on its example alone (float64 against each example alone, through the multiple-choice model's
+    batch of B x choices rows), and a run trains."""
+    from corrnoise.torch.clipping import ClippingEngine, check_attribution
+
+    model = _task_model(task).double()
+    trainer = PrivateTrainer(model=model, args=_args(tmp_path), train_dataset=_task_data(task), privacy=PRIVACY)
+    data = _task_data(task)
+    batch = {k: torch.stack([d[k] for d in data[2:6]]) for k in data[0]}  # no ignored position
+    labels = trainer._labels(batch)
+    out = model(**batch)
+    per = trainer.per_example_losses(model, out, labels)
+    assert per.shape == (4,)
+    torch.testing.assert_close(per.mean(), out.loss, rtol=1e-12, atol=0)
+    engine = ClippingEngine(model, "mean", 1.0)
+    report = check_attribution(engine, lambda b: trainer.per_example_losses(model, model(**b), trainer._labels(b)),
+                               {k: v for k, v in batch.items()}, examples=4)
+    assert report.worst < 1e-6
+    assert bool(report.flattened) == (task == "choice")  # (B * choices, L) rows, example-major
+    engine.detach()
+    model = _task_model(task)
+    before = _params(model)
+    trainer = PrivateTrainer(model=model, args=_args(tmp_path), train_dataset=_task_data(task), privacy=PRIVACY)
+    trainer.train()
+    # (float32: the multiple-choice classifier's bias has a zero gradient, softmax being shift
+    # invariant, so its difference is rounding against the absolute floor: ~0.13 of the tolerance)
+    assert trainer.private_optimizer.steps_taken == 2 and trainer.attribution_report.worst < 1.0
+    assert bool(trainer.attribution_report.flattened) == (task == "choice")
+    assert not torch.equal(_params(model)["classifier.weight" if task == "choice" else "qa_outputs.weight"],
+                           before["classifier.weight" if task == "choice" else "qa_outputs.weight"])
+
+
+def test_an_ignored_answer_position_counts_zero_as_in_transformers():
+    from corrnoise.integrations.transformers import _span_losses
+
+    start = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    end = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    s, e = torch.tensor([1, 9, 4]), torch.tensor([2, 3, -1])  # 9 -> 5 (ignored); -1 -> 0
+    per = _span_losses(start, end, s, e)
+    ls = -torch.log_softmax(start, 1)
+    le = -torch.log_softmax(end, 1)
+    want = torch.stack([(ls[0, 1] + le[0, 2]) / 2, le[1, 3] / 2, (ls[2, 4] + le[2, 0]) / 2])
+    torch.testing.assert_close(per, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dropped, missing", [(("start_positions", "end_positions"), "start_positions, end_positions"),
+                                              (("end_positions",), "end_positions")])
+def test_batches_without_the_models_labels_are_one_line(tmp_path, dropped, missing):
+    data = [{k: v for k, v in d.items() if k not in dropped} for d in _task_data("span")]
+    trainer = PrivateTrainer(model=_task_model("span"), args=_args(tmp_path), train_dataset=data, privacy=PRIVACY)
+    with pytest.raises(CorrnoiseError) as err:
+        trainer.train()
+    _one_line(err, "train_dataset")
+    assert str(err.value).startswith(f"train_dataset: batches lack the labels {missing}:")

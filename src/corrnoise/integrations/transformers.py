@@ -355,7 +355,7 @@ class PrivateTrainer(transformers.Trainer):
         plain = self.accelerator.unwrap_model(model)
 
         def per_example(batch):
-            return self.per_example_losses(plain, plain(**self._model_inputs(plain, batch)), batch["labels"])
+            return self.per_example_losses(plain, plain(**self._model_inputs(plain, batch)), self._labels(batch))
 
         autocast = torch.bfloat16 if self.args.bf16 else None  # accelerate's autocast wraps the model's forward
         self.attribution_report = self.private_optimizer.check_attribution(per_example, inputs, compute_dtype=autocast)
@@ -366,21 +366,41 @@ class PrivateTrainer(transformers.Trainer):
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        labels = self._labels(inputs)
         outputs = model(**self._model_inputs(model, inputs))
-        loss = self.per_example_losses(model, outputs, inputs["labels"]).mean()
+        loss = self.per_example_losses(model, outputs, labels).mean()
         return (loss, outputs) if return_outputs else loss
+
+    def _label_names(self, inputs) -> list[str]:
+        """The batch's label keys: the Trainer's ``label_names`` (from the model's forward, or
+        ``TrainingArguments.label_names``; a question-answering model's are ``start_positions`` and
+        ``end_positions``), else ``labels`` (a peft model without a task type hides its base
+        model's)."""
+        wanted = self.label_names or ["labels"]
+        names = [n for n in wanted if n in inputs]
+        if not names and "labels" in inputs:
+            names = ["labels"]
+        if len(names) < len(wanted) and names != ["labels"]:
+            missing = ", ".join(n for n in wanted if n not in inputs)
+            raise CorrnoiseError("train_dataset", f"batches lack the labels {missing}: the private loss is computed "
+                                 "per example from them (TrainingArguments.label_names names them)")
+        return names
+
+    def _labels(self, inputs):
+        """The batch's labels: the tensor of its one label key, or a dict of them (question
+        answering's ``start_positions`` and ``end_positions``)."""
+        names = self._label_names(inputs)
+        return inputs[names[0]] if len(names) == 1 else {n: inputs[n] for n in names}
 
     def _model_inputs(self, model, inputs) -> dict[str, Any]:
         """The model's arguments for a training batch: the batch without ``labels`` (the loss is
         computed per example from them, never by the model); an encoder-decoder model (T5, BART)
         gets the ``decoder_input_ids`` it would have made from them (its labels shifted right)."""
-        if "labels" not in inputs:
-            raise CorrnoiseError("train_dataset", "batches carry no 'labels': the private loss is computed per "
-                                 "example from them")
-        given = {k: v for k, v in inputs.items() if k != "labels"}
+        names = self._label_names(inputs)
+        given = {k: v for k, v in inputs.items() if k not in names}
         config = _config_of(self.accelerator.unwrap_model(model))
         if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" not in given \
-                and "decoder_inputs_embeds" not in given:
+                and "decoder_inputs_embeds" not in given and "labels" in inputs:
             base = self.accelerator.unwrap_model(model)
             base = base.get_base_model() if hasattr(base, "get_base_model") else base
             prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
@@ -390,24 +410,36 @@ class PrivateTrainer(transformers.Trainer):
 
     def per_example_losses(self, model, outputs, labels) -> torch.Tensor:
         """One loss per example, shape (B,): token-level labels give each example's mean token
-        cross entropy (causal LMs shifted by one, as their built-in loss); sequence-level labels
-        the model's classification or regression loss per example. Override for other tasks;
-        the result must be one entry per example, depending on that example alone."""
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        cross entropy (causal LMs shifted by one, as their built-in loss); a multiple-choice
+        model's, the cross entropy over each example's choices; question answering's
+        (``labels`` a dict of ``start_positions`` and ``end_positions``), the mean of the start's
+        and the end's cross entropy, as its built-in loss; other sequence-level labels, the
+        model's classification or regression loss per example. Override for other tasks; the
+        result must be one entry per example, depending on that example alone."""
+        if isinstance(labels, dict):
+            if set(labels) != {"start_positions", "end_positions"}:
+                raise CorrnoiseError("label_names", f"{', '.join(sorted(labels))} have no per-example loss here; "
+                                     "override PrivateTrainer.per_example_losses")
+            return _span_losses(_output(outputs, "start_logits", 0), _output(outputs, "end_logits", 1),
+                                labels["start_positions"], labels["end_positions"])
+        logits = _output(outputs, "logits", 0)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         if labels.dim() >= 2 and logits.dim() == labels.dim() + 1:
-            return _token_mean_losses(logits, labels, shift=self._is_causal_lm(model))
+            return _token_mean_losses(logits, labels, shift=self._model_is(model, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"))
+        if self._model_is(model, "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"):
+            return F.cross_entropy(logits, labels.to(logits.device).view(-1), reduction="none")
         return _sequence_losses(logits, labels, _config_of(self.accelerator.unwrap_model(model)))
 
-    def _is_causal_lm(self, model) -> bool:
-        """Whether the model is a causal LM (labels are the inputs, predicted one position ahead),
-        by the Trainer's own test."""
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    def _model_is(self, model, mapping: str) -> bool:
+        """Whether the model (a peft model: its base model) is of the task of one of transformers'
+        auto mappings (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a causal LM, whose labels are the
+        inputs, predicted one position ahead), by the Trainer's own test."""
+        from transformers.models.auto import modeling_auto
 
         unwrapped = self.accelerator.unwrap_model(model)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
-        return base._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        return base._get_name() in getattr(modeling_auto, mapping).values()
 
     # --- clipping, logs and checkpoints -----------------------------------------------------------
     def _clip_grad_norm(self, model):
@@ -527,6 +559,25 @@ def _token_mean_losses(logits: torch.Tensor, labels: torch.Tensor, *, shift: boo
                              reduction="none").view(labels.shape)
     counted = (labels != -100).reshape(labels.shape[0], -1)
     return tokens.reshape(labels.shape[0], -1).sum(1) / counted.sum(1).clamp(min=1).to(tokens.dtype)
+
+
+def _output(outputs, name: str, index: int) -> torch.Tensor:
+    """A model output by name (a ModelOutput or dict), or by position (a tuple)."""
+    return outputs[name] if isinstance(outputs, dict) else outputs[index]
+
+
+def _span_losses(start_logits: torch.Tensor, end_logits: torch.Tensor, start: torch.Tensor,
+                 end: torch.Tensor) -> torch.Tensor:
+    """Extractive question answering's loss, one value per example: the mean of the start's and
+    the end's cross entropy over the sequence's positions, as transformers' built-in loss computes
+    it (positions clamped to [0, L]; position L, outside the sequence, is ignored and counts 0)."""
+    length = start_logits.shape[1]
+    losses = []
+    for logits, pos in ((start_logits, start), (end_logits, end)):
+        pos = pos.to(logits.device).reshape(logits.shape[0], -1)[:, 0].clamp(0, length)
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        losses.append(F.cross_entropy(logits, pos, ignore_index=length, reduction="none"))
+    return (losses[0] + losses[1]) / 2
 
 
 def _sequence_losses(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
