@@ -484,3 +484,32 @@ def test_vision_models_are_exact_and_swin_windows_are_verified_as_the_batch_flat
                                examples=4)
     assert report.worst < 1e-6
     assert bool(report.flattened) == (kind == "swin")
+
+
+def test_a_mixture_of_experts_is_refused_naming_every_routed_parameter_and_trains_once_they_are_frozen():
+    """Mixtral's router and experts see the batch's tokens as one pool of rows, routed across
+    examples: one line names all their parameters and the way out; with them frozen the rest
+    agrees with each example alone (float32: transformers' grouped expert product has no float64)
+    and LoRA on attention needs nothing frozen."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                                     num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=V,
+                                     max_position_embeddings=16, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    model = transformers.MixtralForCausalLM(cfg)
+    routed = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
+              "model.layers.0.mlp.experts.down_proj"]
+    engine = ClippingEngine(model, "mean", 1.0)
+    with pytest.raises(CorrnoiseError) as err:
+        check_attribution(engine, _lm_losses(model), _padded())
+    _one_line(err, "module")
+    assert f"freeze {', '.join(routed)} (requires_grad_(False))" in str(err.value)
+    engine.detach()
+    for name in routed:
+        model.get_parameter(name).requires_grad_(False)
+    engine = ClippingEngine(model, "mean", 1.0, parameters=[p for p in model.parameters() if p.requires_grad])
+    assert check_attribution(engine, _lm_losses(model), _padded(), examples=5).worst < 0.1
+    engine.detach()
+    lora = peft.get_peft_model(transformers.MixtralForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj",
+                                                                                                         "v_proj"]))
+    engine = ClippingEngine(lora, "mean", 1.0, parameters=[p for p in lora.parameters() if p.requires_grad])
+    assert check_attribution(engine, _lm_losses(lora), _padded()).worst < 0.1

@@ -691,6 +691,14 @@ class ClippingEngine:
                 hint = (f"; if its rows are the batch flattened ({nb // ref} per example, as OPT's decoder layers call "
                         "their MLP), optimizer.check_attribution on a first batch of at least 2 examples verifies that "
                         "and lets it through (PrivateTrainer runs it)")
+            elif self._owners[m][0] not in _FLATTENABLE and ref > 1:  # every such layer's, so one freeze is enough
+                names = ", ".join(dict.fromkeys(self.names[i] for u, _, size, _ in used if size != ref
+                                                and self._owners[u][0] not in _FLATTENABLE
+                                                for _, i in self._owners[u][1]))
+                hint = (f"; the engine reads rows other than the batch's only for Linear, Conv1D, Embedding, LayerNorm "
+                        f"and RMSNorm layers, not for {type(m).__name__} (a mixture-of-experts router or experts "
+                        f"routes tokens of all examples together): freeze {names} (requires_grad_(False)) or train "
+                        "adapters (LoRA) on the layers around it")
             raise CorrnoiseError("module", f"'{self._paths[m]}' has batch dimension {nb}, others {ref} (inputs must be "
                                  f"batch-first){hint}")
         self._computing = True
