@@ -423,8 +423,6 @@ class PrivateTrainer(transformers.Trainer):
             return _span_losses(_output(outputs, "start_logits", 0), _output(outputs, "end_logits", 1),
                                 labels["start_positions"], labels["end_positions"])
         logits = _output(outputs, "logits", 0)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
         if labels.dim() >= 2 and logits.dim() == labels.dim() + 1:
             return _token_mean_losses(logits, labels, shift=self._model_is(model, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"))
         if self._model_is(model, "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"):
@@ -562,8 +560,10 @@ def _token_mean_losses(logits: torch.Tensor, labels: torch.Tensor, *, shift: boo
 
 
 def _output(outputs, name: str, index: int) -> torch.Tensor:
-    """A model output by name (a ModelOutput or dict), or by position (a tuple)."""
-    return outputs[name] if isinstance(outputs, dict) else outputs[index]
+    """A model output by name (a ModelOutput or dict), or by position (a tuple); half-precision
+    logits (bf16 autocast) in float32 for the loss."""
+    out = outputs[name] if isinstance(outputs, dict) else outputs[index]
+    return out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
 
 
 def _span_losses(start_logits: torch.Tensor, end_logits: torch.Tensor, start: torch.Tensor,
@@ -575,7 +575,6 @@ def _span_losses(start_logits: torch.Tensor, end_logits: torch.Tensor, start: to
     losses = []
     for logits, pos in ((start_logits, start), (end_logits, end)):
         pos = pos.to(logits.device).reshape(logits.shape[0], -1)[:, 0].clamp(0, length)
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         losses.append(F.cross_entropy(logits, pos, ignore_index=length, reduction="none"))
     return (losses[0] + losses[1]) / 2
 
