@@ -513,3 +513,60 @@ def test_a_mixture_of_experts_is_refused_naming_every_routed_parameter_and_train
                                                                                                          "v_proj"]))
     engine = ClippingEngine(lora, "mean", 1.0, parameters=[p for p in lora.parameters() if p.requires_grad])
     assert check_attribution(engine, _lm_losses(lora), _padded()).worst < 0.1
+
+
+def _peft_model(kind):
+    """A tiny model with one of peft's adapters other than LoRA: GPT-2 (Conv1D targets) where peft
+    supports them, else OPT (Linear targets; its norms compute in the model's dtype, unlike
+    transformers' RMSNorm, so float64 stays float64)."""
+    torch.manual_seed(0)
+    gpt2 = dict(task_type="CAUSAL_LM", fan_in_fan_out=True)
+    llama = dict(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"])
+    configs = {
+        "dora": lambda: peft.LoraConfig(r=4, target_modules=["c_attn"], use_dora=True, **gpt2),
+        "ia3": lambda: peft.IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"], **gpt2),
+        "vera": lambda: peft.VeraConfig(r=4, target_modules=["c_attn"], **gpt2),
+        "adalora": lambda: peft.AdaLoraConfig(r=4, target_modules=["c_attn"], total_step=10, **gpt2),
+        "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "boft": lambda: peft.BOFTConfig(boft_block_size=4, **llama),
+        "hra": lambda: peft.HRAConfig(r=4, **llama),
+        "fourierft": lambda: peft.FourierFTConfig(n_frequency=16, **llama),
+        "ln": lambda: peft.LNTuningConfig(task_type="CAUSAL_LM", target_modules=["self_attn_layer_norm"]),
+    }
+    if kind in ("boft", "hra", "fourierft", "ln"):
+        base = transformers.OPTForCausalLM(transformers.OPTConfig(
+            num_hidden_layers=1, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=V,
+            max_position_embeddings=32, word_embed_proj_dim=32, pad_token_id=0))
+    else:
+        base = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V,
+                                                                    n_positions=32, bos_token_id=0, eos_token_id=0))
+    return peft.get_peft_model(base, configs[kind]())
+
+
+@pytest.mark.parametrize("kind", ["dora", "ia3", "vera", "adalora", "prefix", "boft", "hra", "fourierft", "ln"])
+@pytest.mark.filterwarnings("ignore")
+def test_peft_adapters_beyond_lora_are_exact_against_each_example_alone(kind):
+    """float64, every trainable adapter parameter against autograd of each example alone. IA3,
+    VeRA and AdaLoRA keep their adapters in ParameterDicts that only the adapted layer's forward
+    reads: the layer owns them (the torch.func fallback differentiates it per example)."""
+    model = _peft_model(kind).double()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = ClippingEngine(model, "mean", 1.0, parameters=trainable)
+    report = check_attribution(engine, _lm_losses(model), _padded(), examples=5)
+    # FourierFT forms its weight by an inverse FFT in float32 whatever the model's dtype
+    assert report.worst < (0.1 if kind == "fourierft" else 1e-6)
+    assert len(report.unexercised) < len(trainable)  # something was compared for real
+
+
+def test_peft_prompt_tuning_is_refused_in_one_line_naming_prefix_tuning():
+    """peft computes a prompt-tuning prompt once and repeats it for the batch: its gradient is the
+    batch's sum. Refused when the engine attaches (before, the engine's expansion of its shared
+    indices made peft's repeat multiply the batch: a shape error inside peft)."""
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=V,
+                                                                n_positions=32, bos_token_id=0, eos_token_id=0))
+    model = peft.get_peft_model(base, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(CorrnoiseError) as err:
+        ClippingEngine(model, "mean", 1.0, parameters=[p for p in model.parameters() if p.requires_grad])
+    _one_line(err, "module")
+    assert "prompt-learning model (PROMPT_TUNING)" in str(err.value) and "prefix tuning" in str(err.value)

@@ -181,6 +181,12 @@ def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
     if table is not None and id(table.weight) in trainable:
         return (f"'{path}.relative_attention_bias' is a position bias shared by the whole batch (T5-style relative "
                 f"attention): {shared_by_batch_advice('it')}")
+    prompt = _repeated_prompt(m)
+    if prompt is not None and any(id(p) in trainable for p in prompt[0].parameters()):
+        return (f"'{name}' is a peft prompt-learning model ({prompt[1]}) whose virtual prompt is computed once and "
+                "repeated for every example (prompt_encoder(tokens[:1]).repeat(B, 1, 1)): "
+                f"{shared_by_batch_advice('the prompt encoder')}, or use peft's prefix tuning (each example's "
+                "prefix is computed for it)")
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         return f"'{name}' ({type(m).__name__}) mixes examples (batch statistics); replace it with GroupNorm or LayerNorm"
     if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
@@ -210,6 +216,24 @@ def _outer_registrations(module: nn.Module) -> set[tuple[str, int]]:
             paths.setdefault(id(p), []).append(path)
     return {(path, pid) for pid, ps in paths.items() for path in ps
             if any(other != path and (path == "" or other.startswith(path + ".")) for other in ps)}
+
+
+def _repeated_prompt(m: nn.Module) -> tuple[nn.Module, str] | None:
+    """peft's prompt learning other than prefix tuning (prompt tuning, P-tuning, multitask prompt
+    tuning): ``get_prompt`` runs the active prompt encoder on one row of virtual tokens and
+    repeats the result for the batch (peft >= 0.13), so every example's copy comes from one call
+    and the hooks see the batch's summed gradient; with the engine's expansion of such indices the
+    repeat would multiply the batch (a shape error inside peft). Prefix tuning calls the encoder
+    with the tokens expanded to the batch: each example's own call. Recognized by peft's declared
+    config on the model (``active_peft_config``: ``is_prompt_learning`` and ``peft_type``). Returns
+    (the active prompt encoder, the config's type), or None."""
+    config = getattr(m, "active_peft_config", None)
+    encoders = getattr(m, "prompt_encoder", None)
+    if config is None or not getattr(config, "is_prompt_learning", False) or not isinstance(encoders, nn.ModuleDict):
+        return None
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    encoder = encoders[m.active_adapter] if m.active_adapter in encoders else None
+    return None if kind == "PREFIX_TUNING" or encoder is None else (encoder, kind)
 
 
 def _position_bias_table(m: nn.Module) -> nn.Embedding | None:

@@ -84,12 +84,15 @@ def handler_for(module: nn.Module) -> Handler:
 
 
 def owned_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ``module``'s own forward uses (names relative to it): its direct ones, and
-    for peft's LoRA Embedding those of its ``lora_embedding_A`` / ``lora_embedding_B`` dicts."""
+    """The parameters ``module``'s own forward uses (names relative to it): its direct ones and
+    those of its ParameterDict / ParameterList children, containers without a forward that only
+    their parent's forward can read (peft keeps adapters in them: LoRA Embedding's
+    ``lora_embedding_A`` / ``_B``, IA3's ``ia3_l``, VeRA's ``vera_lambda_b`` / ``_d``, AdaLoRA's
+    ``lora_A`` / ``lora_E`` / ``lora_B``)."""
     own = list(module.named_parameters(recurse=False))
-    if is_peft_lora_embedding(module):
-        for key in ("lora_embedding_A", "lora_embedding_B"):
-            own += [(f"{key}.{n}", p) for n, p in getattr(module, key).named_parameters()]
+    for key, child in module.named_children():
+        if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
+            own += [(f"{key}.{n}", p) for n, p in child.named_parameters()]
     return own
 
 
@@ -417,7 +420,7 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
 
 def _fallback(module, args, kwargs, grad_outs, dtype, names):
     if names is None:
-        names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        names = [n for n, p in owned_parameters(module) if p.requires_grad]
     params = {n: module.get_parameter(n).detach().to(dtype) for n in names}
     buffers = dict(module.named_buffers())
     b = call_batch_size(module, args, kwargs)
