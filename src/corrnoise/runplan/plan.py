@@ -84,7 +84,7 @@ def plan_run(
         check_run_size(dataset_size, batch_size, epochs, steps)
     given_epochs, label, planned = epochs, mechanism if isinstance(mechanism, str) else None, None
     asked_pipeline = None if ready is not None else pipeline_of(batching)
-    if is_planned(mechanism, calibrated=epsilon is not None and guarantee is None):
+    if is_planned(mechanism, calibrated=epsilon is not None):
         if guarantee is not None or epsilon is None:
             raise CorrnoiseError("mechanism", f"{mechanism!r} is chosen by the planner for an epsilon: give epsilon, "
                                  f"or name a mechanism to use a given noise ({NAMES_HELP})")

@@ -719,8 +719,9 @@ class ClippingEngine:
                 names = ", ".join(dict.fromkeys(self.names[i] for u, _, size, _ in used if size != ref
                                                 and self._owners[u][0] not in _FLATTENABLE
                                                 for _, i in self._owners[u][1]))
-                hint = (f"; the engine reads rows other than the batch's only for Linear, Conv1D, Embedding, LayerNorm "
-                        f"and RMSNorm layers, not for {type(m).__name__} (a mixture-of-experts router or experts "
+                rules = ", ".join(h.__name__.removesuffix("_handler") for h in _FLATTENABLE)
+                hint = (f"; the engine reads rows other than the batch's only through its rules for {rules} layers, "
+                        f"not for {type(m).__name__} (a mixture-of-experts router or experts "
                         f"routes tokens of all examples together): freeze {names} (requires_grad_(False)) or train "
                         "adapters (LoRA) on the layers around it")
             raise CorrnoiseError("module", f"'{self._paths[m]}' has batch dimension {nb}, others {ref} (inputs must be "
