@@ -725,3 +725,22 @@ def test_batches_without_the_models_labels_are_one_line(tmp_path, dropped, missi
         trainer.train()
     _one_line(err, "train_dataset")
     assert str(err.value).startswith(f"train_dataset: batches lack the labels {missing}:")
+
+
+def test_a_resumed_run_names_its_mechanism_by_content():
+    """The checkpoint's plan is compared with the privacy keywords by the mechanism's fingerprint
+    for the plan's steps, not its label: ``dpsgd`` resumes a run planned as ``identity``, a
+    Strategy object works as its name does, another mechanism is one line."""
+    from corrnoise.integrations.transformers import _check_saved_plan
+    from corrnoise.runplan import plan_run
+    from corrnoise.strategies import parse_strategy
+
+    saved = plan_run(dataset_size=64, batch_size=8, epochs=1, mechanism="identity", noise_multiplier=1.0, delta=1e-5)
+    for same in ("dpsgd", "identity", parse_strategy("dpsgd", saved.steps)):
+        _check_saved_plan(saved, {"mechanism": same, "noise_multiplier": 1.0})
+    for other in ("bsr:3", "tree", parse_strategy("bsr:3", saved.steps)):
+        with pytest.raises(CorrnoiseError) as err:
+            _check_saved_plan(saved, {"mechanism": other, "noise_multiplier": 1.0})
+        _one_line(err, "mechanism")
+        assert str(err.value).startswith("mechanism: the checkpoint's run uses 'identity', not ")
+    _check_saved_plan(saved, {"mechanism": "bandmf", "epsilon": 8.0})  # a family for an epsilon: the plan's choice

@@ -88,7 +88,8 @@ import transformers
 from torch.utils.data import DataLoader
 
 from ..errors import CorrnoiseError
-from ..runplan import RunPlan, is_planned
+from ..runplan import RunPlan, is_planned, parse_mechanism
+from ..strategies import Strategy, mechanism_fingerprint
 from ..torch import make_private
 from ..torch.dp_optimizer import DPOptimizer
 from ..torch.loader import DPDataLoader
@@ -661,12 +662,17 @@ def _refuse_planning_per_rank(kwargs: dict[str, Any], world_size: int) -> None:
 
 def _check_saved_plan(saved: RunPlan, kwargs: dict[str, Any]) -> None:
     """On resume, the checkpoint's plan continues the run; the privacy keywords must not name
-    another mechanism or batching, nor ask for a stronger guarantee (another delta, a smaller
-    epsilon). ``auto`` and planner families accept the plan's choice."""
+    another mechanism (by content: its fingerprint for the plan's steps, so ``dpsgd`` resumes a
+    run planned as ``identity``) or batching, nor ask for a stronger guarantee (another delta, a
+    smaller epsilon). ``auto`` and planner families accept the plan's choice."""
     mechanism = kwargs.get("mechanism")
-    if isinstance(mechanism, str) and not is_planned(mechanism, calibrated=kwargs.get("epsilon") is not None) \
-            and mechanism != saved.label:
-        raise CorrnoiseError("mechanism", f"the checkpoint's run uses {saved.label!r}, not {mechanism!r}")
+    if isinstance(mechanism, Strategy) or (isinstance(mechanism, str) and not is_planned(
+            mechanism, calibrated=kwargs.get("epsilon") is not None)):
+        given = mechanism if isinstance(mechanism, Strategy) else parse_mechanism(mechanism, saved.steps)
+        if mechanism_fingerprint(given) != saved.fingerprint:
+            named = mechanism if isinstance(mechanism, str) else given.label
+            raise CorrnoiseError("mechanism", f"the checkpoint's run uses {saved.label!r}, not {named!r} (another "
+                                 "mechanism by content)")
     batching = kwargs.get("batching")
     if isinstance(batching, str) and batching != "auto" and saved.sampler.name not in (None, batching):
         raise CorrnoiseError("batching", f"the checkpoint's run uses {saved.sampler.name!r} batching, not "
