@@ -744,3 +744,18 @@ def test_a_resumed_run_names_its_mechanism_by_content():
         _one_line(err, "mechanism")
         assert str(err.value).startswith("mechanism: the checkpoint's run uses 'identity', not ")
     _check_saved_plan(saved, {"mechanism": "bandmf", "epsilon": 8.0})  # a family for an epsilon: the plan's choice
+
+
+def test_noise_aware_adamw_is_the_trainers_optimizer_through_optimizers(tmp_path):
+    """``optimizers=(NoiseAwareAdamW(...), None)``: the trainer makes it private, and at every step
+    it is told the variance of that step's released noise (the last step's at the end)."""
+    from corrnoise.torch import NoiseAwareAdamW
+
+    model = _gpt2()
+    opt = NoiseAwareAdamW(model.parameters(), lr=1e-3)
+    trainer = PrivateTrainer(model=model, args=_args(tmp_path), train_dataset=_Texts("lm"), optimizers=(opt, None),
+                             privacy=PRIVACY)
+    trainer.train()
+    private = trainer.private_optimizer
+    assert private.original is opt and private.steps_taken == 2
+    assert opt.noise_variance == private.noise_variance(step=1) > 0
