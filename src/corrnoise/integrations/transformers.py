@@ -23,8 +23,11 @@ What changes against the plain Trainer, and why:
   example's gradient by the other examples' lengths, breaking the per-example sensitivity):
   token-level labels (causal LM, shifted by one; token classification) give each example's mean
   token loss, sequence classification its cross entropy (squared error for regression, binary
-  cross entropy averaged over labels for multi-label). Override :meth:`PrivateTrainer.per_example_losses`
-  for anything else. The model is called without ``labels``; an encoder-decoder model gets the
+  cross entropy averaged over labels for multi-label), multiple choice the cross entropy over its
+  choices, extractive question answering (the Trainer's ``label_names``: ``start_positions``,
+  ``end_positions``) the mean of the start's and end's cross entropy. Override
+  :meth:`PrivateTrainer.per_example_losses` for anything else. The model is called without its
+  labels; an encoder-decoder model gets the
   ``decoder_input_ids`` it would have made from them (its own rule, else the labels shifted right
   after ``decoder_start_token_id``: Whisper). Evaluation uses the model's own loss, unchanged.
 * **Attribution check.** Before its forward (also in a resumed run), the first micro-batch of at
