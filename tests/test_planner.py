@@ -20,19 +20,9 @@ from corrnoise.planner import FAMILIES, PlanSetup, plan
 FAST = dict(screen_samples=1 << 11, seed=1)
 
 
-@pytest.fixture(autouse=True)
-def _counted_entropy(monkeypatch):
-    """The "OS entropy" of every Monte Carlo sample, counted instead (128-bit sized values): a
-    verification at the calibrated noise fails now and then by design (nothing is released, the
-    candidate is ruled out), which made a test that expects the verified candidate fail at random
-    (test_balls_in_bins_pipeline_amplifies_dpsgd, once in a CI run). The planner's own seeds
-    (``seed=`` for screening) are unchanged."""
-    import itertools
-
-    from corrnoise.accounting import montecarlo
-
-    entropy = itertools.count(2 ** 127 + 12345)
-    monkeypatch.setattr(montecarlo.inputs, "fresh_entropy", lambda: next(entropy))
+#: every planner test with counted Monte Carlo entropy (conftest's ``counted_entropy``); the
+#: planner's own screening seeds (``seed=``) are unchanged
+pytestmark = pytest.mark.usefixtures("counted_entropy")
 
 
 def _feasible(result):

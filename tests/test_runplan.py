@@ -8,8 +8,6 @@ one vocabulary of batchings and pipelines."""
 
 from __future__ import annotations
 
-import itertools
-
 import ast
 import json
 import pathlib
@@ -343,7 +341,8 @@ def _mc_plan():
                     delta=1e-3, epochs=2)
 
 
-def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_guarantee(tmp_path, monkeypatch):
+def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_guarantee(tmp_path, monkeypatch,
+                                                                                        counted_entropy):
     """A plan file's epsilon is a claim: balls-in-bins guarantees are read from the cache of verified
     guarantees or verified afresh on load; an edited epsilon fails that verification."""
     from corrnoise.accounting import montecarlo
@@ -351,10 +350,6 @@ def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_gu
     calls = []
     real = montecarlo.verify_privacy
     monkeypatch.setattr(montecarlo, "verify_privacy", lambda *a, **k: calls.append(a[2:4]) or real(*a, **k))
-    # the "OS entropy" of every Monte Carlo sample, counted instead: a verification at the calibrated
-    # noise could otherwise fail now and then (by design: nothing is released) and fail this test
-    entropy = itertools.count(10 ** 6)
-    monkeypatch.setattr(montecarlo.inputs, "fresh_entropy", lambda: next(entropy))
     monkeypatch.setenv("CORRNOISE_CACHE", str(tmp_path / "cache"))
     plan = _mc_plan()
     assert plan.method == "mc" and plan.guarantee.kind == "guarantee"

@@ -381,14 +381,14 @@ class PrivateTrainer(transformers.Trainer):
         ``end_positions``), else ``labels`` (a peft model without a task type hides its base
         model's)."""
         wanted = self.label_names or ["labels"]
-        names = [n for n in wanted if n in inputs]
-        if not names and "labels" in inputs:
-            names = ["labels"]
-        if len(names) < len(wanted) and names != ["labels"]:
-            missing = ", ".join(n for n in wanted if n not in inputs)
-            raise CorrnoiseError("train_dataset", f"batches lack the labels {missing}: the private loss is computed "
-                                 "per example from them (TrainingArguments.label_names names them)")
-        return names
+        present = [n for n in wanted if n in inputs]
+        if present == wanted:
+            return present
+        if not present and "labels" in inputs:
+            return ["labels"]
+        missing = ", ".join(n for n in wanted if n not in inputs)
+        raise CorrnoiseError("train_dataset", f"batches lack the labels {missing}: the private loss is computed per "
+                             "example from them (TrainingArguments.label_names names them)")
 
     def _labels(self, inputs):
         """The batch's labels: the tensor of its one label key, or a dict of them (question

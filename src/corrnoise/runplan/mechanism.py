@@ -14,7 +14,7 @@ from ..errors import CorrnoiseError, check_int
 from ..pipelines import AUTO, batching_name, pipeline_of
 from ..strategies import Strategy, parse_strategy
 
-__all__ = ["is_planned", "names_a_mechanism", "parse_mechanism", "plan_mechanism", "planned_batching"]
+__all__ = ["is_planned", "parse_mechanism", "plan_mechanism", "planned_batching"]
 
 
 def parse_mechanism(mechanism: str, steps: int) -> Strategy:
@@ -38,10 +38,10 @@ def is_planned(mechanism: Any, *, calibrated: bool) -> bool:
 
     if not isinstance(mechanism, str) or (mechanism != AUTO and mechanism not in FAMILIES):
         return False
-    return mechanism == AUTO or calibrated or not names_a_mechanism(mechanism)
+    return mechanism == AUTO or calibrated or not _names_a_mechanism(mechanism)
 
 
-def names_a_mechanism(name: str) -> bool:
+def _names_a_mechanism(name: str) -> bool:
     """Whether ``name`` is a mechanism :func:`corrnoise.strategies.parse_strategy` builds (a planner
     family such as ``bandmf`` is not: the planner designs its members for a run)."""
     try:
