@@ -434,6 +434,7 @@ def test_an_estimate_cannot_calibrate_and_verify_false_is_not_a_silent_estimate(
 # ----------------------------------------------------------------------------------------------
 # Item 4: no hidden fixed seed; every verification draws fresh randomness; seeds are recorded
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.os_entropy
 def test_without_a_seed_estimates_differ_and_record_a_reproducing_seed():
     strategy = parse_strategy("bsr:2", 6)
     runs = [account(strategy, "balls-in-bins:3", noise_std=1.5, delta=1e-2, samples=4000, estimate=True)
@@ -446,6 +447,7 @@ def test_without_a_seed_estimates_differ_and_record_a_reproducing_seed():
     assert again.epsilon == runs[0].epsilon
 
 
+@pytest.mark.os_entropy
 def test_every_verification_draws_fresh_randomness():
     C = parse_strategy("bsr:2", 6)
     a, b = (mc.verify_privacy(C, 3, 1.5, 2.0, 1e-2) for _ in range(2))

@@ -20,11 +20,6 @@ from corrnoise.planner import FAMILIES, PlanSetup, plan
 FAST = dict(screen_samples=1 << 11, seed=1)
 
 
-#: every planner test with counted Monte Carlo entropy (conftest's ``counted_entropy``); the
-#: planner's own screening seeds (``seed=``) are unchanged
-pytestmark = pytest.mark.usefixtures("counted_entropy")
-
-
 def _feasible(result):
     return [c for c in result.candidates if c.feasible and c.calibrated]
 

@@ -341,8 +341,7 @@ def _mc_plan():
                     delta=1e-3, epochs=2)
 
 
-def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_guarantee(tmp_path, monkeypatch,
-                                                                                        counted_entropy):
+def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_guarantee(tmp_path, monkeypatch):
     """A plan file's epsilon is a claim: balls-in-bins guarantees are read from the cache of verified
     guarantees or verified afresh on load; an edited epsilon fails that verification."""
     from corrnoise.accounting import montecarlo
