@@ -822,10 +822,13 @@ def _loop_clipped(model, x, y, clip):
     return total, torch.tensor(norms)
 
 
-def _check_shared(model, x, y, reduction):
-    _, ref_norms = _loop_clipped(model, x, y, 1.0)
+def _check_shared(model, x, y, reduction, reference=None):
+    """``reference``: the same function to compute the one-example-at-a-time gradients with (a
+    model without reentrant checkpointing, which autograd.grad cannot run); ``model`` itself if None."""
+    reference = model if reference is None else reference
+    _, ref_norms = _loop_clipped(reference, x, y, 1.0)
     clip = float(ref_norms.median()) if x.shape[0] > 1 else 0.5 * float(ref_norms[0])
-    ref, _ = _loop_clipped(model, x, y, clip)
+    ref, _ = _loop_clipped(reference, x, y, clip)
     if x.shape[0] > 1:  # the clip acts on some examples and not on others
         assert bool((ref_norms > clip * 1.01).any()) and bool((ref_norms < clip * 0.99).any())
     with torch.no_grad():
@@ -855,6 +858,123 @@ def test_embedding_with_indices_shared_by_the_batch_is_exact(rule, reduction, sh
 @pytest.mark.parametrize("shared", ["1L", "L"])
 def test_shared_indices_with_a_batch_of_one(shared):
     _check_shared(_SharedPositions(shared), torch.randint(0, 11, (1, 7)), torch.randint(0, 3, (1,)), "mean")
+
+
+class _MisusedPositions(_SharedPositions):
+    """The shared position rows used by indexing (``pos[0]``) or by a mean over the batch dimension
+    (``pos.mean(0)``) instead of by broadcasting: once the engine expands the ids to the batch, every
+    example's output reads example 0's row (or all rows), so its rows' grad outputs are not one
+    example's each."""
+
+    def __init__(self, shared: str, how: str):
+        super().__init__(shared)
+        self.how = how
+
+    def forward(self, x):
+        ids = torch.tensor(_POS_IDS[:x.shape[1]])
+        pos = self.pos(ids.unsqueeze(0) if self.shared == "1L" else ids)
+        pos = pos[0] if self.how == "index" else pos.mean(0) if pos.dim() == 3 else pos
+        return self.head(torch.tanh(self.tok(x) + pos)).sum(1)
+
+
+@pytest.mark.parametrize("how", ["index", "mean"])
+@pytest.mark.parametrize("shared", ["1L", "L"])
+def test_shared_indices_not_used_by_broadcasting_are_refused_at_the_first_forward(how, shared):
+    """Without the probe the engine's norms differ from each example's computed alone (measured:
+    1.620 vs 1.534 for ``pos[0]``), silently: the first step's sum check passes, since the rows
+    still add up to the batch's gradient."""
+    model = _MisusedPositions(shared, how)
+    x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 3, (4,))
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    with pytest.raises(CorrnoiseError) as e:
+        model(x)
+    msg = str(e.value)
+    assert "\n" not in msg and "'pos' (Embedding)" in msg and "pos[0]" in msg and "'pos.weight'" in msg
+    eng.detach()
+    model.pos.weight.requires_grad_(False)  # the way out the refusal names: exact without the table
+    if shared == "1L" or how == "mean":  # (the 1-D ids' pos[0] changes the model's values once expanded)
+        _check_shared(model, x, y, "sum")
+
+
+class _CheckpointedHead(_SharedPositions):
+    """The head under checkpointing (``reentrant``: where autograd.grad cannot run, so the probe
+    runs a full backward and puts the parameters' gradients back)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__("1L")
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        ids = torch.tensor(_POS_IDS[:x.shape[1]]).unsqueeze(0)
+        h = torch.tanh(self.tok(x) + self.pos(ids))
+        return torch.utils.checkpoint.checkpoint(lambda t: self.head(t).sum(1), h, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_shared_indices_probed_through_a_checkpointed_block_are_exact(reentrant):
+    """The probe's backward runs the block again: those calls are not captured, and no gradient of
+    the probe's is left in a parameter's .grad (the first step's sum check against autograd's
+    would fail)."""
+    model = _CheckpointedHead(reentrant)
+    reference = copy.deepcopy(model)
+    reference.reentrant = False
+    _check_shared(model, torch.randint(0, 11, (5, 7)), torch.randint(0, 3, (5,)), "mean", reference)
+
+
+@pytest.mark.parametrize("how", ["index", "mean"])
+def test_shared_indices_misused_under_reentrant_checkpointing_are_refused(how):
+    """The head checkpointed: the probe's full backward sees the misuse at the first forward. The
+    whole model checkpointed: the first forward runs without gradients, the layer expands its
+    indices only in backward's recomputation, where nothing can be probed: the clipped sum refuses."""
+    class Head(_MisusedPositions):
+        def forward(self, x):
+            ids = torch.tensor(_POS_IDS[:x.shape[1]]).unsqueeze(0)
+            pos = self.pos(ids)
+            h = torch.tanh(self.tok(x) + (pos[0] if how == "index" else pos.mean(0)))
+            return torch.utils.checkpoint.checkpoint(lambda t: self.head(t).sum(1), h, use_reentrant=True)
+
+    class Whole(_MisusedPositions):
+        def forward(self, x):  # a reentrant checkpoint's output needs an input that requires grad
+            one = torch.ones((), requires_grad=True)
+            return torch.utils.checkpoint.checkpoint(lambda t, c: _MisusedPositions.forward(self, t) * c, x, one,
+                                                     use_reentrant=True)
+
+    x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 3, (4,))
+    model = Head("1L", how)
+    ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    with pytest.raises(CorrnoiseError, match="'pos' \\(Embedding\\) is called with indices shared"):
+        model(x)
+    model = Whole("1L", how)
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1.0)
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    with pytest.raises(CorrnoiseError, match="^module: 'pos' .*could not probe.*recomputation"):
+        eng.clipped_sum(4)
+
+
+class _ClassesFirst(_SharedPositions):
+    """Logits returned (classes, B): no output of the model has the batch as dim 0."""
+
+    def forward(self, x):
+        return super().forward(x).t()
+
+
+def test_shared_indices_the_attribution_check_verified_need_no_probe():
+    from corrnoise.torch.clipping.attribution import check_attribution
+
+    model = _ClassesFirst("1L")
+    x, y = torch.randint(0, 11, (5, 7)), torch.randint(0, 3, (5,))
+    per_example = lambda b: F.cross_entropy(model(b[0]).t(), b[1], reduction="none")  # noqa: E731
+    ref_norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in torch.autograd.grad(
+        per_example((x[i:i + 1], y[i:i + 1])).sum(), list(model.parameters())))) for i in range(5)])
+    eng = ClippingEngine(model, loss_reduction="sum", max_grad_norm=1e9)
+    per_example((x, y)).sum().backward()
+    with pytest.raises(CorrnoiseError, match="^module: 'pos' .*could not probe.*check_attribution[^\\n]*$"):
+        eng.clipped_sum(5)
+    eng.clear()
+    check_attribution(eng, per_example, (x, y))
+    per_example((x, y)).sum().backward()
+    _, norms = eng.clipped_sum(5)
+    _close(norms, ref_norms, SHARED_RTOL)
 
 
 class _OnlyPositions(nn.Module):

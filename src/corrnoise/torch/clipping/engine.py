@@ -63,7 +63,10 @@ hooked layer sees the shared indices and whose first argument is not batch-first
 batch-dimension or ``batch_size`` refusal below, never in a silent mix. The expanded output
 must be used by broadcasting against the batch (``x + pos``), as transformers does; code that
 reduces or indexes its batch dimension (``pos[0]``) would attribute gradients to the wrong
-examples.
+examples, and the first step's sum check cannot see it (the rows still add up). So each such
+layer's use is probed once, by autograd, when the first forward that expanded its indices returns
+(:meth:`ClippingEngine._probe_shared_indices`), and refused in one line if it mixes examples;
+:func:`.attribution.check_attribution` verifies it as well (PrivateTrainer runs it first).
 
 Gradient checkpointing (transformers' ``model.activation_checkpointing_enable()``, formerly
 ``gradient_checkpointing_enable()``; torch.utils.checkpoint)
@@ -331,8 +334,17 @@ class ClippingEngine:
         self._layout_verified: dict[nn.Module, str] = {}
         self._layout_probe, self._layout_seen = False, {}
         self._unexpanded: set[nn.Module] = set()  # unverified layers whose (1, ...) output this batch shares
+        # this forward's layers called with shared indices, expanded, not verified yet: (layer, its output),
+        # probed when the forward returns (:meth:`_probe_shared_indices`)
+        self._expanded: list[tuple[nn.Module, torch.Tensor]] = []
+        self._pending_probe: set[nn.Module] = set()  # layers whose running call expanded unverified indices
+        # layers whose expanded shared indices the probe or check_attribution verified (a layer may also be
+        # "flattened": a multiple-choice model's position embedding), and those the running check saw
+        self._indices_verified: set[nn.Module] = set()
+        self._indices_seen: set[nn.Module] = set()
         self._take_over(module)
-        self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True)]
+        self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
+                         module.register_forward_hook(self._root_hook, with_kwargs=True)]
         for m, (handler, _) in self._owners.items():
             if takes_indices(handler):
                 self._handles.append(m.register_forward_pre_hook(self._shared_indices_hook, with_kwargs=True))
@@ -420,6 +432,91 @@ class ClippingEngine:
             self._first_batch = None
         return None
 
+    def _root_hook(self, m: nn.Module, args, kwargs, output):
+        """After each forward of the model: the shared indices it expanded and nobody verified yet
+        are probed against its output (:meth:`_probe_shared_indices`)."""
+        expanded, self._expanded = self._expanded, []
+        self._pending_probe.clear()
+        if expanded and not self._computing and torch.is_grad_enabled() and not _in_backward():
+            self._probe_shared_indices(expanded, output)
+        return None
+
+    def _probe_shared_indices(self, expanded: list[tuple[nn.Module, torch.Tensor]], output) -> None:
+        """Whether the model uses each expanded shared-index output (:meth:`_shared_indices_hook`)
+        by broadcasting, checked once per layer on its first batch, by autograd.
+
+        Example b's gradient of the table is read from row b of the expanded output's grad output
+        (:func:`.layers.expand_shared_indices`). That is example b's own only if example k's
+        outputs depend on no row of it other than row k. For k = 0 and k = B - 1 the vector-Jacobian
+        product of the model's per-example outputs (every floating tensor of it with the batch as
+        dim 0) with a random vector on row k alone must then be exactly zero off row k: batched
+        operations propagate exact zeros, and a use that indexes or reduces the batch dimension
+        (``pos[0]``, ``pos.mean(0)``) puts row k's vector on another row. A layer that passes is
+        verified from then on; a failure is refused in one line, before any gradient is captured.
+        Where the model returns no output with the batch as dim 0, the layer is left to
+        :meth:`_shared_output`'s route: refused in :meth:`clipped_sum` until
+        :func:`.attribution.check_attribution` has verified it. Non-finite entries are not read
+        (a zero vector times an infinite activation)."""
+        b = expanded[0][1].shape[0]
+        outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
+                and t.requires_grad and t.dim() >= 1 and t.shape[0] == b]
+        if not outs:
+            self._unexpanded.update(m for m, _ in expanded)
+            return
+        gen = torch.Generator().manual_seed(0)
+        before = self._computing
+        self._computing = True  # no capture: checkpointed blocks run again, hooks fire
+        try:
+            for k in sorted({0, b - 1}):
+                vectors = []
+                for t in outs:
+                    v = torch.zeros_like(t)
+                    v[k] = torch.randn(t.shape[1:], generator=gen).to(t.dtype)
+                    vectors.append(v)
+                grads = self._rows_vjp(outs, vectors, [e for _, e in expanded])
+                for (m, _), g in zip(expanded, grads):
+                    if g is None:
+                        continue
+                    off = torch.cat([g[:k], g[k + 1:]])
+                    if bool((torch.isfinite(off) & (off != 0)).any()):
+                        self.clear()
+                        raise CorrnoiseError(
+                            "model", f"'{self._paths[m]}' ({type(m).__name__}) is called with indices shared by the "
+                            f"batch, which the engine expands to the batch so that each example gets its own gradient, "
+                            f"but example {k}'s outputs depend on other examples' rows of its output (the model "
+                            "indexes or reduces its batch dimension, pos[0] or pos.mean(0), instead of broadcasting "
+                            "x + pos): the gradients would go to the wrong examples; pass indices of shape (B, L), "
+                            f"or {shared_by_batch_advice(', '.join(map(repr, self._owned_names([m]))))}")
+        finally:
+            self._computing = before
+        self._indices_verified.update(m for m, _ in expanded)
+
+    def _rows_vjp(self, outs: list[torch.Tensor], vectors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list:
+        """The vector-Jacobian products of ``outs`` with ``vectors`` for ``inputs`` (None where one is
+        not used), keeping the graph for the user's backward. Reentrant checkpointing
+        (``use_reentrant=True``) cannot run ``torch.autograd.grad``; there a full backward runs
+        instead, with hooks on ``inputs`` reading their gradients and the model's parameter
+        gradients put back as they were (a gradient accumulation's running sum stays)."""
+        try:
+            return list(torch.autograd.grad(outs, inputs, vectors, retain_graph=True, allow_unused=True))
+        except RuntimeError as exc:
+            if "reentrant" not in str(exc):
+                raise
+        got: list[torch.Tensor | None] = [None] * len(inputs)
+        handles = [e.register_hook(lambda g, i=i: got.__setitem__(i, g)) for i, e in enumerate(inputs)]
+        params = list(self.module.parameters())
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            torch.autograd.backward(outs, vectors, retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+            for p, g in zip(params, saved):
+                p.grad = g
+        return got
+
     def _shared_indices_hook(self, m: nn.Module, args, kwargs):
         """An Embedding's indices shared by the batch, replaced by their expansion to it (see the
         module docstring)."""
@@ -428,11 +525,14 @@ class ClippingEngine:
         b = self._first_batch if self._first_batch is not None else self._root_batch
         if b is None:
             return None
-        if args:
-            idx = expand_shared_indices(args[0], b)
-            return None if idx is None else ((idx, *args[1:]), kwargs)
-        idx = expand_shared_indices(kwargs.get("input"), b)
-        return None if idx is None else (args, {**kwargs, "input": idx})
+        idx = expand_shared_indices(args[0] if args else kwargs.get("input"), b)
+        if idx is None:
+            return None
+        if self._layout_probe:
+            self._indices_seen.add(m)
+        elif m not in self._indices_verified:
+            self._pending_probe.add(m)  # its output is noted by _forward_hook, probed by _root_hook
+        return ((idx, *args[1:]), kwargs) if args else (args, {**kwargs, "input": idx})
 
     def _forward_hook(self, m: nn.Module, args, kwargs, output):
         if self._computing or not torch.is_grad_enabled():
@@ -482,6 +582,9 @@ class ClippingEngine:
             self._note_recomputed(m, call)
         if self._first_batch is None:
             self._first_batch = _first_dim(args, kwargs)
+        if m in self._pending_probe:
+            self._pending_probe.discard(m)
+            self._expanded.append((m, outs[0]))
         if reshaped_base is not None:
             shape = outs[0].shape
             reshaped_base.register_hook(lambda g, call=call, shape=shape: self._grad_hook(call, 0, g.view(shape)))
@@ -566,6 +669,8 @@ class ClippingEngine:
         self._recomputed.clear()
 
     def _grad_hook(self, call: _Call, k: int, g: torch.Tensor):
+        if self._computing:  # the engine's own backward (:meth:`_probe_shared_indices`)
+            return None
         self._backward_seen = True
         prev = call.grads[k]
         call.grads[k] = g.detach() if prev is None else prev + g.detach()
@@ -601,6 +706,7 @@ class ClippingEngine:
                                  "the step's forward (or after step() / zero_grad())")
         clip, verified = self.max_grad_norm, self._verified
         self._layout_probe, self._layout_seen, self.max_grad_norm = True, {}, math.inf
+        self._indices_seen = set()
         try:
             yield self._layout_seen
         finally:
@@ -608,7 +714,9 @@ class ClippingEngine:
             self.clear()
 
     def _verify_layouts(self, seen: dict[nn.Module, str]) -> None:
+        """After a passed check: its layouts, and the shared indices it saw expanded, are let through."""
         self._layout_verified.update(seen)
+        self._indices_verified |= self._indices_seen
 
     def _layout_paths(self, seen: dict[nn.Module, str], kind: str) -> list[str]:
         """Paths of the layers in ``seen`` with that layout."""
@@ -628,6 +736,8 @@ class ClippingEngine:
         self._backward_seen = False
         self._token_loss_used = False
         self._unexpanded.clear()
+        self._expanded.clear()
+        self._pending_probe.clear()
         self._first_batch = self._root_batch = None
 
     def detach(self, by: str = "user") -> None:
@@ -698,12 +808,16 @@ class ClippingEngine:
                         f"{shared_by_batch_advice('them')}") from None
                 flat = nb != n and self._flattened(m, handler, nb, n)
                 used.append((m, call, n if flat else nb, nb if flat else 0))
+        self._unexpanded.update(m for m, _ in self._expanded)  # expanded in a recomputation: never probed
         m = next((u[0] for u in used if u[0] in self._unexpanded), None)
         if m is not None:
+            what = ("is called with indices shared by the batch, whose use the engine could not probe (the model "
+                    "returns no output with the batch as dim 0, or the layer ran only in a reentrant checkpoint's "
+                    "recomputation)" if takes_indices(self._owners[m][0]) else
+                    f"returns an output of batch dimension 1 in a batch of {n}, shared by its examples")
             raise CorrnoiseError(
-                "module", f"'{self._paths[m]}' ({type(m).__name__}) returns an output of batch dimension 1 in a "
-                f"batch of {n}, shared by its examples (a position embedding?): the engine gives each example its "
-                "share once optimizer.check_attribution on a first batch of at least 2 examples has verified that the "
+                "module", f"'{self._paths[m]}' ({type(m).__name__}) {what} (a position embedding?): the engine gives "
+                "each example its share once optimizer.check_attribution on a first batch of at least 2 examples has verified that the "
                 "model uses it by broadcasting (PrivateTrainer runs it)")
         sizes = [nb for _, _, nb, _ in used]
         b = sizes[0] if sizes else None
