@@ -6,6 +6,7 @@ one; GPT-2, BERT and LoRA. Tiny random-init models built from configs."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import os
@@ -629,6 +630,124 @@ def test_trl_packing_is_refused(tmp_path, setting):
         PrivateSFTTrainer(model=_gpt2(), args=config, train_dataset=train, processing_class=tokenizer,
                           privacy=PRIVACY)
     _one_line(err, setting)
+
+
+def _dpo_parts(tmp_path, pairs=12, **config):
+    """A text preference dataset (prompt, chosen, rejected) of words the hand-built word-level
+    tokenizer knows, and a DPOConfig for 2 steps of 4 pairs."""
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    trl = pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(5)
+
+    def words(n_min, n_max):
+        n = int(torch.randint(n_min, n_max + 1, (1,), generator=g))
+        return " ".join(f"t{int(i)}" for i in torch.randint(2, V, (n,), generator=g))
+
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(pairs):
+        rows["prompt"].append(words(2, 4) + " ")
+        rows["chosen"].append(words(1, 3))
+        rows["rejected"].append(words(1, 3))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(V)},
+                                                                          unk_token="t1")), pad_token="t0",
+        eos_token="t0")
+    tokenizer.backend_tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=0.05,
+                   optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True,
+                   save_strategy="no", disable_tqdm=True, max_length=None)
+    options.update(config)
+    return datasets.Dataset.from_dict(rows), tokenizer, trl.DPOConfig(**options)
+
+
+def _policy_and_reference(dtype=torch.float32):
+    """GPT-2 and its copy as the reference, the policy moved off it (at the reference every DPO
+    loss is log 2, whatever the rows)."""
+    reference = _gpt2().to(dtype)
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(9)
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=dtype))
+    return policy, reference
+
+
+def test_trl_dpo_trainer_trains_privately_one_pair_per_example(tmp_path):
+    train, tokenizer, config = _dpo_parts(tmp_path)
+    from corrnoise.integrations import PrivateDPOTrainer
+
+    policy, reference = _policy_and_reference()
+    before = _params(policy)
+    trainer = PrivateDPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                                processing_class=tokenizer, privacy=PRIVACY)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2 and trainer.plan.dataset_size == 12  # pairs, not rows
+    assert trainer.state.log_history[0]["epsilon"] == trainer.privacy_spent().epsilon
+    # the rows are read pair-major once the first batch's check verified it (chosen and rejected
+    # of one pair are one example's)
+    assert trainer.attribution_report.worst < 1.0 and "transformer.wte" in trainer.attribution_report.flattened
+    assert all(not torch.equal(p, before[n]) for n, p in _params(policy).items())
+
+
+def test_trl_dpo_per_pair_losses_are_trls_and_each_pairs_gradient_its_own(tmp_path):
+    """The pairs' losses average to trl's own DPO loss on the same batch (its fused LM head, its
+    [chosen; rejected] rows), and in float64 the engine's gradient of each pair equals that pair's
+    computed alone."""
+    trl = pytest.importorskip("trl")
+    from corrnoise.integrations import PrivateDPOTrainer
+    from corrnoise.integrations.trl import _PairRows
+    from corrnoise.torch.clipping import ClippingEngine, check_attribution
+
+    train, tokenizer, config = _dpo_parts(tmp_path)
+    policy, reference = _policy_and_reference(torch.float64)
+    plain = trl.DPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                           processing_class=tokenizer)
+    rows = next(iter(plain.get_train_dataloader()))  # 4 pairs: (8, L) rows, chosen then rejected
+    theirs = plain.compute_loss(plain.model, rows)
+    trainer = PrivateDPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                                processing_class=tokenizer, privacy=PRIVACY)
+    pairs = _PairRows(lambda _: {k: v.clone() for k, v in rows.items()})([None] * 4)
+    assert pairs["input_ids"].shape[:2] == (4, 2)
+    torch.testing.assert_close(pairs["input_ids"][:, 1], rows["input_ids"][4:], rtol=0, atol=0)
+    losses, _ = trainer._example_losses(policy, pairs)
+    assert losses.shape == (4,) and float(losses.detach().std()) > 0
+    # trl's fused head returns float32 log-probabilities: its loss is ours to float32's rounding
+    # of sums of ~10 log-probabilities (a pair's rows swapped or mixed moves it by O(0.1))
+    torch.testing.assert_close(losses.mean().float(), theirs, rtol=1e-5, atol=0)
+    engine = ClippingEngine(policy, "mean", 1.0)
+    report = check_attribution(engine, lambda b: trainer._example_losses(policy, b)[0], pairs, examples=4)
+    assert report.worst < 1e-6
+    engine.detach()
+
+
+@pytest.mark.parametrize("setting,value", [("loss_type", ["hinge"]), ("use_weighting", True), ("ld_alpha", 0.5),
+                                           ("f_divergence_type", "js_divergence")])
+def test_trl_dpo_settings_without_a_per_pair_loss_are_refused(tmp_path, setting, value):
+    train, tokenizer, config = _dpo_parts(tmp_path, **{setting: value})
+    from corrnoise.integrations import PrivateDPOTrainer
+
+    policy, reference = _policy_and_reference()
+    with pytest.raises(CorrnoiseError) as err:
+        PrivateDPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                          processing_class=tokenizer, privacy=PRIVACY)
+    _one_line(err, setting)
+
+
+def test_trl_dpo_with_lora_takes_its_reference_with_the_adapter_off(tmp_path):
+    peft = pytest.importorskip("peft")
+    train, tokenizer, config = _dpo_parts(tmp_path)
+    from corrnoise.integrations import PrivateDPOTrainer
+
+    model = peft.get_peft_model(_gpt2(), peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                                         target_modules=["c_attn"], fan_in_fan_out=True))
+    trainer = PrivateDPOTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer,
+                                privacy=PRIVACY)
+    assert trainer.ref_model is None
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2
+    # the first step starts at the reference (LoRA's B is zero): every pair's loss is log 2
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_the_integrations_package_imports_transformers_only_when_asked():

@@ -3,24 +3,24 @@
 * :mod:`corrnoise.integrations.transformers`: :class:`PrivateTrainer`, a Hugging Face
   ``transformers.Trainer`` that trains with :func:`corrnoise.torch.make_private` (``pip install
   corrnoise[transformers]``).
-* :mod:`corrnoise.integrations.trl`: :class:`PrivateSFTTrainer`, the same for trl's
-  ``SFTTrainer`` (``pip install trl``).
+* :mod:`corrnoise.integrations.trl`: :class:`PrivateSFTTrainer` and :class:`PrivateDPOTrainer`,
+  the same for trl's ``SFTTrainer`` and ``DPOTrainer`` (``pip install trl``).
 
 ``from corrnoise.integrations import PrivateTrainer`` imports transformers at that moment (and
-``PrivateSFTTrainer`` trl), not when this package is imported.
+``PrivateSFTTrainer`` / ``PrivateDPOTrainer`` trl), not when this package is imported.
 """
 
 from __future__ import annotations
 
-__all__ = ["PrivateTrainer", "PrivacyArguments", "PrivateSFTTrainer"]
+__all__ = ["PrivateTrainer", "PrivacyArguments", "PrivateSFTTrainer", "PrivateDPOTrainer"]
 
 
 def __getattr__(name: str):
     """Lazy access to the transformers integration (transformers is an optional dependency)."""
-    if name == "PrivateSFTTrainer":
-        from .trl import PrivateSFTTrainer
+    if name in ("PrivateSFTTrainer", "PrivateDPOTrainer"):
+        from . import trl as _trl
 
-        return PrivateSFTTrainer
+        return getattr(_trl, name)
     if name in __all__:
         from . import transformers as _transformers
 

@@ -357,12 +357,9 @@ class PrivateTrainer(transformers.Trainer):
         refused before any noise is added. ``check_attribution=False`` skips it."""
         inputs = self._prepare_inputs(dict(inputs))
         plain = self.accelerator.unwrap_model(model)
-
-        def per_example(batch):
-            return self.per_example_losses(plain, plain(**self._model_inputs(plain, batch)), self._labels(batch))
-
         autocast = torch.bfloat16 if self.args.bf16 else None  # accelerate's autocast wraps the model's forward
-        self.attribution_report = self.private_optimizer.check_attribution(per_example, inputs, compute_dtype=autocast)
+        self.attribution_report = self.private_optimizer.check_attribution(
+            lambda batch: self._example_losses(plain, batch)[0], inputs, compute_dtype=autocast)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """In training, the mean over the micro-batch of :meth:`per_example_losses`; in
@@ -370,10 +367,16 @@ class PrivateTrainer(transformers.Trainer):
         if not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        losses, outputs = self._example_losses(model, inputs)
+        loss = losses.mean()
+        return (loss, outputs) if return_outputs else loss
+
+    def _example_losses(self, model, inputs):
+        """(one loss per example of a training batch, the model's outputs): the forward and
+        :meth:`per_example_losses` (what the loss and the attribution check both compute)."""
         labels = self._labels(inputs)
         outputs = model(**self._model_inputs(model, inputs))
-        loss = self.per_example_losses(model, outputs, labels).mean()
-        return (loss, outputs) if return_outputs else loss
+        return self.per_example_losses(model, outputs, labels), outputs
 
     def _label_names(self, inputs) -> list[str]:
         """The batch's label keys: the Trainer's ``label_names`` (from the model's forward, or
