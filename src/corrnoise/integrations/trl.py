@@ -97,6 +97,9 @@ class PrivateDPOTrainer(PrivateTrainer, trl.DPOTrainer):
         trl's (precomputed, or its reference model's without gradients, in trl's row order)."""
         if "ref_chosen_logps" in inputs:
             return torch.stack([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]], dim=1)
+        if self.precompute_ref_logps:  # no reference model is kept: never take the policy for it
+            raise CorrnoiseError("train_dataset", "batches lack the precomputed ref_chosen_logps / ref_rejected_logps "
+                                 "(precompute_ref_log_probs=True): keep those columns")
         rows = {k: inputs[k].transpose(0, 1).flatten(0, 1) for k in ("input_ids", "attention_mask", "completion_mask")}
         chosen, rejected = self.compute_ref_log_probs(self.ref_model or self.model, rows)
         return torch.stack([chosen, rejected], dim=1).detach()
