@@ -749,6 +749,31 @@ def test_trl_dpo_with_precomputed_reference_log_probabilities(tmp_path):
     assert first == pytest.approx(math.log(2), abs=1e-6) and abs(second - math.log(2)) > 1e-3
 
 
+@seeded
+def test_trl_dpo_evaluates_and_resumes_to_the_same_run(tmp_path):
+    """Evaluation is trl's own loss; a run resumed from its step-1 checkpoint ends with the
+    uninterrupted run's parameters."""
+    from corrnoise.integrations import PrivateDPOTrainer
+
+    train, tokenizer, config = _dpo_parts(tmp_path, save_strategy="steps", save_steps=1, eval_strategy="steps",
+                                          eval_steps=1, per_device_eval_batch_size=4)
+    privacy = dict(PRIVACY, seed=3)
+    runs = []
+    for resume in (None, str(tmp_path / "checkpoint-1")):
+        policy, reference = _policy_and_reference()
+        if resume:  # only the checkpoint's parameters can bring it back to the first run's
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(1.0)
+        trainer = PrivateDPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                                    eval_dataset=train.select(range(4)), processing_class=tokenizer, privacy=privacy)
+        trainer.train(resume_from_checkpoint=resume)
+        runs.append(_params(policy))
+    assert any("eval_loss" in entry for entry in trainer.state.log_history)
+    for name, p in runs[1].items():
+        torch.testing.assert_close(p, runs[0][name], **TOL, msg=name)
+
+
 def test_trl_dpo_with_lora_takes_its_reference_with_the_adapter_off(tmp_path):
     peft = pytest.importorskip("peft")
     train, tokenizer, config = _dpo_parts(tmp_path)
