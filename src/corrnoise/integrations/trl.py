@@ -57,11 +57,21 @@ def _refuse_sft_settings(args, padding_free: bool = False) -> None:
     refusals = [
         ("packing", getattr(args, "packing", False),
          "puts several examples in one row: the per-example clip would bound rows, not examples"),
-        ("padding_free", getattr(args, "padding_free", False) or padding_free,
-         "concatenates the batch into one row: the per-example clip would not see the examples"),
-        ("activation_offloading", getattr(args, "activation_offloading", False),
-         "moves the activations the clipping engine reads"),
+        *_row_refusals(args, padding_free),
     ]
+    _refuse_first(refusals)
+
+
+def _row_refusals(args, padding_free: bool = False) -> list[tuple[str, bool, str]]:
+    """The settings both trainers refuse: rows concatenated, activations moved."""
+    return [("padding_free", getattr(args, "padding_free", False) or padding_free,
+             "concatenates the batch into one row: the per-example clip would not see the examples"),
+            ("activation_offloading", getattr(args, "activation_offloading", False),
+             "moves the activations the clipping engine reads")]
+
+
+def _refuse_first(refusals: list[tuple[str, bool, str]]) -> None:
+    """One line naming the first (setting, refused, why) that is refused."""
     for name, bad, why in refusals:
         if bad:
             raise CorrnoiseError(name, why)
@@ -151,13 +161,8 @@ def _refuse_dpo_settings(args, router_loss: bool = False) -> None:
          "only 'reverse_kl' (DPO) has a per-pair loss here"),
         ("ld_alpha", getattr(args, "ld_alpha", None) is not None, "only None has a per-pair loss here"),
         ("use_weighting", getattr(args, "use_weighting", False), "only False has a per-pair loss here"),
-        ("padding_free", getattr(args, "padding_free", False),
-         "concatenates the batch into one row: the per-example clip would not see the pairs"),
-        ("activation_offloading", getattr(args, "activation_offloading", False),
-         "moves the activations the clipping engine reads"),
+        *_row_refusals(args),
         ("router_aux_loss_coef", router_loss, "a mixture-of-experts router's loss mixes the batch's tokens: "
          "set it to 0"),
     ]
-    for name, bad, why in refusals:
-        if bad:
-            raise CorrnoiseError(name, why)
+    _refuse_first(refusals)
