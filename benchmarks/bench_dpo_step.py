@@ -59,13 +59,13 @@ def _parts(pairs: int, prompt: int, completion: int, lora: bool, out: str):
                                        "rejected": [words(completion - 1) for _ in range(4 * pairs)]})
     config = trl.DPOConfig(output_dir=out, per_device_train_batch_size=pairs, max_steps=1000, learning_rate=0.01,
                            optim="sgd", lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
-                           disable_tqdm=True, max_length=None, **{bench_hf_step_ckpt(): False})
+                           disable_tqdm=True, max_length=None, **{_checkpointing_switch(): False})
     policy = bench_hf_step.make_model("gpt2", lora)
     reference = None if lora else copy.deepcopy(policy)
     return data, tokenizer, config, policy, reference
 
 
-def bench_hf_step_ckpt() -> str:
+def _checkpointing_switch() -> str:
     """DPOConfig's checkpointing switch (transformers 5.x: activation_checkpointing)."""
     import inspect
 

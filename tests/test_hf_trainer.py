@@ -749,6 +749,19 @@ def test_trl_dpo_with_precomputed_reference_log_probabilities(tmp_path):
     assert first == pytest.approx(math.log(2), abs=1e-6) and abs(second - math.log(2)) > 1e-3
 
 
+def test_trl_dpo_refuses_a_collator_without_trls_preference_rows():
+    pytest.importorskip("trl")
+    from corrnoise.integrations.trl import _PairRows
+
+    rows = torch.zeros(6, 5, dtype=torch.long)
+    for batch, what in (({"input_ids": rows, "attention_mask": rows}, "missing"),
+                        ({"input_ids": rows[:5], "attention_mask": rows, "completion_mask": rows}, "(5, 5)")):
+        with pytest.raises(CorrnoiseError) as err:
+            _PairRows(lambda _, b=batch: dict(b))([None] * 3)
+        _one_line(err, "data_collator")
+        assert what in str(err.value)
+
+
 @seeded
 def test_trl_dpo_evaluates_and_resumes_to_the_same_run(tmp_path):
     """Evaluation is trl's own loss; a run resumed from its step-1 checkpoint ends with the

@@ -127,7 +127,11 @@ class _PairRows:
         batch = self.collator(examples)
         b = len(examples)
         for key in ("input_ids", "attention_mask", "completion_mask"):
-            t = batch[key]
+            t = batch.get(key) if isinstance(batch, dict) else None
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != 2 * b:
+                got = "missing" if t is None else tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CorrnoiseError("data_collator", f"must return trl's preference batch: '{key}' with 2 x {b} rows "
+                                     f"(the chosen, then the rejected), got {got}")
             batch[key] = t.view(2, b, *t.shape[1:]).transpose(0, 1).contiguous()
         return batch
 
