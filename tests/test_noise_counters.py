@@ -8,6 +8,7 @@ the documented counters, and math.log / math.cos Box-Muller.
 from __future__ import annotations
 
 import math
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -376,6 +377,83 @@ def test_cuda_z_equals_the_torch_path_on_cpu(dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     part = seed_noise(6, 9, m, dtype=dtype, device="cuda", start=777, stop=200_000, chunk_size=chunk).cpu()
     torch.testing.assert_close(part, got[777:200_000], rtol=0, atol=0)
+    # the fused kernel ran: the eager fallback is identical in value and ~100x slower (RESULTS.md)
+    assert S._COMPILED["cuda"] is not None and ("cuda", dtype == torch.float64) in S._CHECKED
+
+
+# --- the compiled torch path -------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_compile_state(monkeypatch):
+    """The torch path's compile cache emptied for one test, no device compiled until the test
+    adds one to ``COMPILE_DEVICES`` (all restored after it)."""
+    monkeypatch.setattr(S, "_COMPILED", {})
+    monkeypatch.setattr(S, "_CHECKED", set())
+    monkeypatch.setattr(S, "COMPILE_DEVICES", set())
+    monkeypatch.delenv("CORRNOISE_NO_COMPILE", raising=False)
+
+
+@pytest.mark.parametrize("f64", [False, True])
+def test_tensor_scalars_give_the_same_words_as_ints(f64):
+    """The compiled kernel takes t, chunk, m and the key as 0-d int64 tensors: the same ops on
+    them give bit-identical normals to Python ints (integer arithmetic is exact)."""
+    pos = torch.arange(20_000, dtype=torch.int64)
+    key = S._torch_key(123)
+    dtype = torch.float64 if f64 else torch.float32
+    want = S._torch_normals_eager(pos, 77, (1000, 19_999), key, f64, dtype)
+    sc = torch.tensor([77, 1000, 19_999, *key], dtype=torch.int64)
+    got = S._torch_normals_eager(pos, sc[0], (sc[1], sc[2]), tuple(sc[3:]), f64, dtype)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="needs a C++ compiler")
+def test_compiled_torch_path_on_cpu_matches_eager(fresh_compile_state):
+    """The same torch.compile(dynamic=True) as on CUDA, through inductor's CPU backend: it builds
+    with tensor scalars, passes its probe, is reused for other steps without recompiling, and
+    agrees with the eager ops to float32 rounding (2 steps, 2 pieces of different lengths)."""
+    import warnings
+
+    m, chunk = S._TORCH_PIECE + 5_001, 1 << 12
+    S.COMPILE_DEVICES.add("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = torch.empty(m)
+        S._fill_torch(got, 9, [(3, 1.0), (4, -0.5)], m, 0, chunk)
+    assert S._COMPILED["cpu"] is not None and ("cpu", False) in S._CHECKED
+    S.COMPILE_DEVICES.clear()
+    want = torch.empty(m)
+    S._fill_torch(want, 9, [(3, 1.0), (4, -0.5)], m, 0, chunk)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[:chunk], want[chunk:2 * chunk])  # not a constant or repeated block
+
+
+def test_compile_failure_is_said_once_and_the_eager_path_used(fresh_compile_state, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no backend here\nsecond line")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    want = torch_path(5, 2, 10_000, torch.float32, chunk=512)
+    S.COMPILE_DEVICES.add("cpu")
+    got = torch.empty(10_000)
+    with pytest.warns(RuntimeWarning, match=r"not used on cpu \(RuntimeError: no backend here\)") as caught:
+        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
+        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
+    assert len([w for w in caught if "seed-noise kernel" in str(w.message)]) == 1
+    assert S._COMPILED["cpu"] is None and torch.equal(got, want)
+
+
+def test_a_compiled_kernel_that_disagrees_is_refused(fresh_compile_state, monkeypatch):
+    def off_by_a_bit(fn, **kwargs):
+        return lambda *a: fn(*a) * (1 + 1e-3)
+
+    monkeypatch.setattr(torch, "compile", off_by_a_bit)
+    want = torch_path(5, 2, 10_000, torch.float32, chunk=512)
+    S.COMPILE_DEVICES.add("cpu")
+    got = torch.empty(10_000)
+    with pytest.warns(RuntimeWarning, match=r"differs from the eager ops by [0-9.e+-]+ on a probe"):
+        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
+    assert S._COMPILED["cpu"] is None and torch.equal(got, want)
 
 
 # --- distributed seed broadcast -------------------------------------------------------------------

@@ -38,7 +38,10 @@ Per-device paths (Z therefore depends on the device type, and on float32 vs floa
   bfloat16/float16 rows are the float32 row rounded. Default block: 2^18 coordinates.
 * other devices (CUDA, ...) -- Philox4x32-10 written with torch integer ops
   (:func:`philox4x32`, checked against the Random123 known-answer vectors), the same on every
-  device; lazily ``torch.compile``d into one kernel on CUDA when available, eager otherwise.
+  device; lazily ``torch.compile``d into one kernel on CUDA (its scalars passed as device
+  tensors, the kernel checked once against the eager ops), eager otherwise -- and where the
+  compiled kernel does not build or disagrees, eager with a one-line warning (about 20x slower
+  on an H200 at m = 1.24e8: benchmarks/RESULTS.md).
   Key = derive_key bytes 16..23 (64 bits); counter = (call, t | dtype bit 31, s0, s1) with
   (s0, s1) = derive_key bytes 24..31 (64 more secret bits): 128 secret bits. Pair p of the row
   (p = k * ceil(chunk_size / 2) + i) uses call p // 2, words 2(p % 2), 2(p % 2) + 1 in float32,
@@ -155,14 +158,15 @@ def block_counter(t: int, block: int, dtype: torch.dtype) -> tuple[int, int, int
     return (0, block, t, _domain(dtype))
 
 
-def torch_coordinate_source(t: int, pos: torch.Tensor, m: int, chunk: int, f64: bool):
+def torch_coordinate_source(t, pos: torch.Tensor, m, chunk, f64: bool):
     """Torch path: where Z[t, pos] comes from, as (call, c1, word0, is_sin) int64/bool tensors.
 
     Coordinate j of block k (length L, h = ceil(L/2) pairs) is Box-Muller pair
     p = k * ceil(chunk / 2) + i with i = j - k chunk (cosine) or j - k chunk - h (sine).
     float32: Philox4x32 call = p // 2, u1 = word 2 (p % 2), u2 = word 2 (p % 2) + 1, c1 = t;
     float64: call = p, u1 = words 0-1, u2 = words 2-3, c1 = t | 2^31 (t < 2^31).
-    The full counter is (call, c1, s0, s1) with the secret words s0, s1.
+    The full counter is (call, c1, s0, s1) with the secret words s0, s1. ``t``, ``m`` and
+    ``chunk`` are ints or 0-d int64 tensors on ``pos``'s device (the compiled path's form).
     """
     block = pos // chunk
     local = pos - block * chunk
@@ -207,15 +211,18 @@ def philox4x32(c0, c1, c2, c3, k0: int, k1: int, rounds: int = 10):
     return c0, c1, c2, c3
 
 
+def _words(value, like: torch.Tensor) -> torch.Tensor:
+    """An int or 0-d int64 tensor as an int64 tensor of ``like``'s shape (a broadcast view)."""
+    return torch.as_tensor(value, dtype=torch.int64, device=like.device).expand(like.shape)
+
+
 def _torch_normals_eager(pos, t, m_chunk, key, f64: bool, dtype):
-    """Z[t, pos] for int64 coordinates ``pos`` (torch path; see the module docstring)."""
+    """Z[t, pos] for int64 coordinates ``pos`` (torch path; see the module docstring). The
+    scalars (t, chunk, m, key words) are ints, or 0-d int64 tensors on ``pos``'s device."""
     k0, k1, s0, s1 = key
     chunk, m = m_chunk
     call, c1, word0, is_sin = torch_coordinate_source(t, pos, m, chunk, f64)
-    shape, dev = call.shape, pos.device
-    w = philox4x32(call, torch.full(shape, c1, dtype=torch.int64, device=dev),
-                   torch.full(shape, s0, dtype=torch.int64, device=dev),
-                   torch.full(shape, s1, dtype=torch.int64, device=dev), k0, k1)
+    w = philox4x32(call, _words(c1, call), _words(s0, call), _words(s1, call), k0, k1)
     if f64:
         a = (w[0] << 21) | (w[1] >> 11)  # top 53 bits of the 64-bit word (w0 high, w1 low)
         b = (w[2] << 21) | (w[3] >> 11)
@@ -232,24 +239,80 @@ def _torch_normals_eager(pos, t, m_chunk, key, f64: bool, dtype):
     return (radius * torch.where(is_sin, torch.sin(angle), torch.cos(angle))).to(dtype)
 
 
-_COMPILED = {}
+#: device types whose torch path runs as one ``torch.compile``d kernel (tests add "cpu")
+COMPILE_DEVICES = {"cuda"}
+#: device type -> the compiled function, or None where compiling failed or disagreed with eager
+_COMPILED: dict[str, object] = {}
+#: (device type, float64?) pairs whose compiled kernel was checked against the eager ops
+_CHECKED: set[tuple[str, bool]] = set()
+#: float32 / float64 agreement asked of the compiled kernel (libdevice's log/sin/cos against
+#: torch's own: a few ulp; the integer words are exact in both)
+_COMPILED_TOL = {False: 1e-5, True: 1e-12}
+
+
+def _compile_failed(device_type: str, why: str) -> None:
+    """Say once, in one line, that the slow eager path is used on this device, and use it."""
+    import warnings
+
+    _COMPILED[device_type] = None
+    warnings.warn(f"corrnoise: the compiled seed-noise kernel is not used on {device_type} ({why}); "
+                  "noise comes from eager torch ops, identical in value and about 20x slower "
+                  "(CORRNOISE_NO_COMPILE=1 silences this)", RuntimeWarning, stacklevel=3)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _check_compiled(fn, device, f64: bool, dtype) -> bool:
+    """Run the compiled kernel once on a probe that spans cosine and sine halves of several
+    blocks (m = 4096, chunk = 64) and compare it with the eager ops; say why not if it differs."""
+    pos = torch.arange(4096, dtype=torch.int64, device=device)
+    key = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+    scalars = torch.tensor([5, 64, 4096, *key], dtype=torch.int64, device=device)
+    got = fn(pos, scalars[0], (scalars[1], scalars[2]), tuple(scalars[3:]), f64, dtype)
+    want = _torch_normals_eager(pos, 5, (64, 4096), key, f64, dtype)
+    tol = _COMPILED_TOL[f64]
+    if not torch.allclose(got, want, rtol=tol, atol=tol):
+        worst = float((got - want).abs().max())
+        _compile_failed(device.type, f"it differs from the eager ops by {worst:.2e} on a probe")
+        return False
+    return True
 
 
 def _torch_normals(pos, t, m_chunk, key, f64, dtype):
-    """The eager function, ``torch.compile``d once per device type on CUDA (one fused kernel)."""
-    if pos.device.type == "cuda" and os.environ.get("CORRNOISE_NO_COMPILE") != "1":
-        fn = _COMPILED.get("cuda")
-        if fn is None:
-            try:
-                fn = torch.compile(_torch_normals_eager, dynamic=True)
-            except Exception:  # pragma: no cover - no compiler available
-                fn = _torch_normals_eager
-            _COMPILED["cuda"] = fn
+    """The eager function, ``torch.compile``d once per device type in :data:`COMPILE_DEVICES`
+    (CUDA: one fused kernel) and checked once against the eager ops.
+
+    The compiled kernel takes its scalars (t, chunk, m, key words) as one int64 tensor on the
+    device: as Python ints, ``dynamic=True`` makes them symbolic, and inductor's Triton code for
+    an integer tensor XOR a symbolic int (torch 2.11, H200) cast the int to float32 and did not
+    compile -- the eager fallback then ran 20x slower in silence (176 against 8.8 ms per row of
+    1.24e8 coordinates on an H200, benchmarks/RESULTS.md).
+    """
+    dev = pos.device
+    if dev.type not in COMPILE_DEVICES or os.environ.get("CORRNOISE_NO_COMPILE") == "1":
+        return _torch_normals_eager(pos, t, m_chunk, key, f64, dtype)
+    if dev.type not in _COMPILED:
         try:
-            return fn(pos, t, m_chunk, key, f64, dtype)
-        except Exception:  # pragma: no cover - compilation failed: the eager path is identical
-            _COMPILED["cuda"] = _torch_normals_eager
-    return _torch_normals_eager(pos, t, m_chunk, key, f64, dtype)
+            _COMPILED[dev.type] = torch.compile(_torch_normals_eager, dynamic=True)
+        except Exception as err:  # no compiler for this device
+            _compile_failed(dev.type, _first_line(err))
+    fn = _COMPILED[dev.type]
+    if fn is not None and (dev.type, f64) not in _CHECKED:
+        try:
+            ok = _check_compiled(fn, dev, f64, dtype)
+        except Exception as err:  # the kernel did not build
+            _compile_failed(dev.type, _first_line(err))
+            ok = False
+        if ok:
+            _CHECKED.add((dev.type, f64))
+        fn = _COMPILED[dev.type]
+    if fn is None:
+        return _torch_normals_eager(pos, t, m_chunk, key, f64, dtype)
+    scalars = torch.tensor([t, m_chunk[0], m_chunk[1], *key], dtype=torch.int64, device=dev)
+    return fn(pos, scalars[0], (scalars[1], scalars[2]), tuple(scalars[3:]), f64, dtype)
 
 
 _TORCH_PIECE = 1 << 22
