@@ -4,10 +4,11 @@
         [--width 128] [--layers 2] [--bert-ffn 2] [--vocab 500] [--device cpu] [--methods ...,opacus_ghost]
 
 GPT-2 small on a GPU against Opacus's ghost clipping (issue #27; 124M parameters with an untied head, see
-below):
+below; benchmarks/gpu_run.sh runs this and a batch 8 x 512 tokens):
 
     PYTHONPATH=src python benchmarks/bench_hf_step.py --device cuda --models gpt2 --width 768 --layers 12 \
-        --vocab 50257 --batch 16 --seq 128 --reps 10 --rounds 2 --methods plain,private,opacus_ghost,lora_plain,lora_private
+        --vocab 50257 --batch 16 --seq 128 --reps 10 --rounds 2 \
+        --methods plain,private,opacus_ghost,lora_plain,lora_private,lora_opacus_ghost
 
 GPT2LMHeadModel and BertForSequenceClassification built from configs (2 layers, width 128, 2 heads,
 BERT's intermediate size 2x the width unless ``--bert-ffn``,
@@ -38,11 +39,12 @@ method runs ``DPOptimizer.check_attribution`` on the batch once (what PrivateTra
 first batch); a second table gives its time against the plain step and its worst difference.
 
 ``opacus_ghost`` (GPT-2 only): Opacus's ghost clipping (``grad_sample_mode="ghost"``, same noise
-multiplier and clip norm, fixed batches) on the same model, the same per-sequence loss. Opacus 1.6.0
+multiplier and clip norm, fixed batches) on the same model, the same per-sequence loss;
+``lora_opacus_ghost`` the same on the LoRA model (its ratio is to ``lora_plain``). Opacus 1.6.0
 refuses GPT2LMHeadModel as it is: tied input and output embeddings ("Parameter tying is not
 supported with Ghost Clipping"), and transformers' (1, L) position ids (its embedding rule stacks
 per-example tensors of batch size 1 and B; an expanded (B, L) view fails in its norm rule). With
-``opacus_ghost`` among the methods every GPT-2 model of the run is therefore built with an untied head
+an Opacus method among the methods every GPT-2 model of the run is therefore built with an untied head
 and fed contiguous (B, L) ``position_ids``, so that all methods train the same model.
 
 ``--device cuda``: everything on the GPU; each timed step ends with a synchronize, and the table gains,
@@ -66,7 +68,9 @@ from bench_step import time_interleaved  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SIGMA, CLIP, VOCAB = 1.0, 1.0, 500
-METHODS = ["plain", "private", "lora_plain", "lora_private"]  # and opacus_ghost (GPT-2; see above)
+METHODS = ["plain", "private", "lora_plain", "lora_private"]
+#: Opacus's ghost clipping on the full model and on the LoRA model (GPT-2 only; see above)
+OPACUS = ["opacus_ghost", "lora_opacus_ghost"]
 
 
 #: model size (``--width``, ``--layers``, ``--bert-ffn``: BERT's intermediate size as a multiple of
@@ -221,7 +225,7 @@ def make_opacus_step(model, batch, b: int):
 def make_step(name: str, method: str, b: int, seq: int):
     model = make_model(name, lora=method.startswith("lora"))
     batch, loss = make_batch(name, b, seq), loss_fn(name)
-    if method == "opacus_ghost":
+    if method.endswith("opacus_ghost"):
         return make_opacus_step(model, batch, b)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     if not method.endswith("private"):
@@ -275,23 +279,23 @@ def main() -> None:
     if args.vocab < 2:
         raise SystemExit(f"--vocab must be >= 2, got {args.vocab}")
     methods = args.methods.split(",")
-    unknown = [m for m in methods if m not in METHODS + ["opacus_ghost"]]
+    unknown = [m for m in methods if m not in METHODS + OPACUS]
     if unknown:
-        raise SystemExit(f"--methods: unknown {','.join(unknown)} (known: {','.join(METHODS)},opacus_ghost)")
+        raise SystemExit(f"--methods: unknown {','.join(unknown)} (known: {','.join(METHODS + OPACUS)})")
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: torch sees no GPU here")
     if not cuda and args.device != "cpu":
         raise SystemExit(f"--device must be cpu or cuda, got {args.device}")
     SIZE.update(width=args.width, layers=args.layers, bert_ffn=args.bert_ffn)
-    RUN.update(vocab=args.vocab, device=args.device, opacus="opacus_ghost" in methods, seq=args.seq)
+    RUN.update(vocab=args.vocab, device=args.device, opacus=any(m in OPACUS for m in methods), seq=args.seq)
     torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if cuda else f"torch threads: {args.threads}"
     print("uptime:", os.popen("uptime").read().strip(), f"| {where}", flush=True)
     rows = []
     gib = 2 ** 30
     for name in args.models.split(","):
-        ms = [m for m in methods if m != "opacus_ghost" or name == "gpt2"]  # Opacus is wired for GPT-2 only
+        ms = [m for m in methods if m not in OPACUS or name == "gpt2"]  # Opacus is wired for GPT-2 only
         steps, mem, raw = {}, {}, {}
         for m in ms:
             before = torch.cuda.memory_allocated() if cuda else 0

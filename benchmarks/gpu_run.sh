@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU session's checks in one script (issue #27's GPU row, the noise benchmark on CUDA), run on a
+# lent machine from the repository root:
+#
+#     bash benchmarks/gpu_run.sh            # on the GPU machine: wheels in .whl/ (opacus, dp-accounting,
+#                                           # dm-tree), everything else from its image; logs under $OUT
+#     DRY=1 bash benchmarks/gpu_run.sh      # here, on the CPU, tiny sizes: checks the script itself
+#
+# Each stage has its own time limit and log, so that one stage's failure leaves the others' results.
+set -u
+OUT=${OUT:-/tmp/gpu_run}
+mkdir -p "$OUT"
+if [ -d .whl ] && [ -z "${DRY:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:src
+else
+    export PYTHONPATH=src
+fi
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if [ -n "${DRY:-}" ]; then
+    DEV=cpu; GPT2="--width 64 --layers 2 --vocab 500"; DIM=1e5; S1="--batch 4 --seq 32"; S2="--batch 2 --seq 64"
+else
+    DEV=cuda; GPT2="--width 768 --layers 12 --vocab 50257"; DIM=1.24e8; S1="--batch 16 --seq 128"
+    S2="--batch 8 --seq 512"
+fi
+METHODS=plain,private,opacus_ghost,lora_plain,lora_private,lora_opacus_ghost
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "== $name (limit ${limit} s): $*" | tee "$OUT/$name.log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
+    echo "== $name: rc ${PIPESTATUS[0]} in $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+}
+
+stage env 60 bash -c "nvidia-smi -L 2>/dev/null; uname -m; nproc; $PY -c 'import torch, transformers, peft, opacus, dp_accounting; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__, \"peft\", peft.__version__, \"opacus\", opacus.__version__)'"
+stage cuda_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_noise_counters.py -k cuda
+stage step_s128 240 $PY benchmarks/bench_hf_step.py --device $DEV --models gpt2 $GPT2 $S1 --reps 10 --rounds 2 \
+    --methods $METHODS
+stage randn 60 $PY -c "import time, torch; d='$DEV'; x=torch.randn(int($DIM), device=d); ts=[]
+for _ in range(10):
+    s=time.perf_counter(); x.normal_(); torch.cuda.synchronize() if d == 'cuda' else None; ts.append(time.perf_counter()-s)
+print(f'torch normal_ in place, m = {int($DIM)}: {sorted(ts)[5]*1e3:.2f} ms (median of 10)')"
+stage noise 120 $PY -m corrnoise.cli bench noise --dim $DIM --steps 10 --device $DEV
+stage step_s512 150 $PY benchmarks/bench_hf_step.py --device $DEV --models gpt2 $GPT2 $S2 --reps 6 --rounds 2 \
+    --methods $METHODS
