@@ -120,6 +120,30 @@ def test_gradient_accumulation_gives_the_update_of_the_whole_logical_batch(tmp_p
 
 
 @seeded
+def test_a_trainer_that_divides_the_loss_by_the_accumulation_steps_trains_the_same_run(tmp_path):
+    """transformers < 5.19 divide the loss compute_loss returns by the accumulation steps before
+    backward for a model that takes no loss keywords (newer ones, told the loss is not scaled, the
+    same division; both forced below). With a clip of
+    20 (per-example norms here are about 4) a divided loss would shrink the update 2x; the unit
+    gradient at the micro-batch's mean keeps it the whole batch's update."""
+    privacy = dict(PRIVACY, mechanism="identity", batching="poisson", seed=3, max_grad_norm=20.0,
+                   noise_multiplier=0.5)
+    whole = _trainer(tmp_path / "whole", privacy=privacy, per_device_train_batch_size=4, max_steps=2)
+    whole.train()
+    cut = _trainer(tmp_path / "cut", privacy=privacy, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                   max_steps=2)
+    cut.loss_is_scaled_for_ga = False  # transformers >= 5.19: then it divides
+    cut.model_accepts_loss_kwargs = False  # older ones divide for a model without loss kwargs (BERT's, say)
+    divided = []
+    backward = cut.accelerator.backward
+    cut.accelerator.backward = lambda loss, **kw: (divided.append(loss.grad_fn.name()), backward(loss, **kw))[1]
+    cut.train()
+    assert divided and all("Div" in name for name in divided)  # the Trainer did divide what reached backward
+    for name, p in _params(cut.model).items():
+        torch.testing.assert_close(p, _params(whole.model)[name], **TOL, msg=name)
+
+
+@seeded
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_update_without_it(tmp_path, reentrant):
     """The Trainer's gradient_checkpointing recomputes each block's forward during backward; the
@@ -540,6 +564,29 @@ def test_whisper_trains_with_its_labels_shifted_right_as_decoder_inputs(tmp_path
     trainer.train()
     assert trainer.private_optimizer.steps_taken == 2 and trainer.attribution_report.worst < 0.1
     assert not torch.equal(_params(model)["model.decoder.embed_tokens.weight"], before["model.decoder.embed_tokens.weight"])
+
+
+def test_a_transformers_older_than_the_tested_ones_is_one_line(tmp_path, monkeypatch):
+    from corrnoise.integrations.transformers import MIN_TRANSFORMERS
+
+    monkeypatch.setattr(transformers, "__version__", "5.2.0")
+    with pytest.raises(CorrnoiseError) as err:
+        _trainer(tmp_path)
+    _one_line(err, "transformers")
+    assert f"older than {MIN_TRANSFORMERS}" in str(err.value)
+    monkeypatch.setattr(transformers, "__version__", f"{MIN_TRANSFORMERS}.0rc1")  # a pre-release of the minimum
+    _trainer(tmp_path)
+
+
+def test_the_transformers_extra_asks_for_the_tested_minimum():
+    import tomllib
+    from pathlib import Path
+
+    from corrnoise.integrations.transformers import MIN_TRANSFORMERS
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    for extra in ("transformers", "test"):
+        assert f"transformers>={MIN_TRANSFORMERS}" in project["optional-dependencies"][extra], extra
 
 
 def test_an_unknown_privacy_keyword_is_one_line(tmp_path):

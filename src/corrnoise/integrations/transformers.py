@@ -88,6 +88,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 import transformers
+from packaging.version import Version
 from torch.utils.data import DataLoader
 
 from ..errors import CorrnoiseError
@@ -101,6 +102,10 @@ __all__ = ["PrivateTrainer", "PrivacyArguments", "PLAN_FILE", "rank_state_file"]
 
 #: the plan's file in every checkpoint folder (beside ``optimizer.pt``, which holds the noise state)
 PLAN_FILE = "privacy_plan.json"
+#: the oldest transformers PrivateTrainer is tested with (tests/test_hf_trainer.py passes on 5.3.0, 5.12.0,
+#: 5.17.0 and 5.24.0; 5.0-5.2 call set_initial_training_values with another signature); pyproject's
+#: ``transformers`` extra says the same (tests/test_hf_trainer.py checks it)
+MIN_TRANSFORMERS = "5.3"
 #: the key under which each training batch carries its place in the logical batch
 _MICRO_KEY = "_corrnoise_micro_batch"
 #: make_private keywords that the Trainer decides (from TrainingArguments or by construction)
@@ -184,10 +189,10 @@ class PrivateTrainer(transformers.Trainer):
 
     def __init__(self, *args, privacy: PrivacyArguments | dict[str, Any] | None = None,
                  plan: RunPlan | None = None, check_attribution: bool = True, **kwargs):
-        if not hasattr(transformers.Trainer, "loss_is_scaled_for_ga"):
-            raise CorrnoiseError("transformers", f"version {transformers.__version__} is too old for PrivateTrainer "
-                                 "(it needs Trainer.loss_is_scaled_for_ga, so that each micro-batch's loss reaches "
-                                 "backward as the mean the per-example clip expects); upgrade transformers")
+        if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
+            raise CorrnoiseError("transformers", f"version {transformers.__version__} is older than "
+                                 f"{MIN_TRANSFORMERS}, the oldest PrivateTrainer is tested with (the Trainer's "
+                                 "training-loop methods it extends differ before): pip install 'corrnoise[transformers]'")
         self._privacy = _privacy_kwargs(privacy, plan)
         self._given_plan = plan
         self.private_optimizer: DPOptimizer | None = None
@@ -201,7 +206,10 @@ class PrivateTrainer(transformers.Trainer):
         self._default_clip = self.args.max_grad_norm
         self.args.max_grad_norm = 0.0  # the Trainer clips nothing: the per-example clip is the privacy one
         self.args.ignore_data_skip = True  # the private loader starts at the checkpoint's step itself
-        self.loss_is_scaled_for_ga = True  # the loss is each micro-batch's mean, as the clip expects
+        # the Trainer divides no loss by the accumulation steps (transformers >= 5.19; older ones do,
+        # and compute_loss's unit gradient undoes it); the logged loss is training_step's
+        self.loss_is_scaled_for_ga = True
+        self._micro_loss: torch.Tensor | None = None
         self.add_callback(_ReleasedUpdateNorm(self))
         self.add_callback(_NoRawGradientSync(self))
 
@@ -344,7 +352,8 @@ class PrivateTrainer(transformers.Trainer):
         else:
             if self._check_attribution_on and not self.private_optimizer.attribution_checked:
                 self._check_attribution(model, inputs)  # waits (None) while the micro-batch has fewer than 2
-            loss = super().training_step(model, inputs, *args, **kwargs)
+            super().training_step(model, inputs, *args, **kwargs)
+            loss = self._micro_loss  # the micro-batch's mean loss, however the Trainer scaled what it returns
         if micro.more:
             self.private_optimizer.step()  # mid logical batch: keeps the clipped sum, adds no noise
         return loss / self.args.gradient_accumulation_steps  # logged loss: the step's, as the Trainer's
@@ -369,6 +378,9 @@ class PrivateTrainer(transformers.Trainer):
                                         num_items_in_batch=num_items_in_batch)
         losses, outputs = self._example_losses(model, inputs)
         loss = losses.mean()
+        self._micro_loss = loss.detach()
+        if loss.requires_grad:
+            loss.register_hook(_unit_gradient)
         return (loss, outputs) if return_outputs else loss
 
     def _example_losses(self, model, inputs):
@@ -509,6 +521,16 @@ def rank_state_file(folder: str, rank: int, world_size: int) -> str:
     """The file of one rank's private optimizer state in a checkpoint of a multi-process run
     (each rank's noise generator holds its own shard of the noise stream)."""
     return os.path.join(folder, f"corrnoise-rank{rank}-of-{world_size}.pt")
+
+
+def _unit_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient that reaches a micro-batch's mean loss in training: exactly 1. Whatever the
+    Trainer or accelerate divide the returned loss by before backward (transformers < 5.19 divide
+    it by the accumulation steps), the per-example gradients the clip sees are those of the mean
+    loss, as the engine's ``loss_reduction="mean"`` expects; the logical batch's sum is formed by
+    the private optimizer, not by scaling. fp16 loss scaling and DeepSpeed, which would need the
+    scale, are refused (:func:`_refuse_trainer_settings`)."""
+    return torch.ones_like(grad)
 
 
 def _checkpoint_world_size(folder: str) -> int | None:
