@@ -5,6 +5,7 @@
 #     bash benchmarks/gpu_run.sh            # on the GPU machine: wheels in .whl/ (opacus, dp-accounting,
 #                                           # dm-tree), everything else from its image; logs under $OUT
 #     DRY=1 bash benchmarks/gpu_run.sh      # here, on the CPU, tiny sizes: checks the script itself
+#     STAGES="env cuda_tests bert" bash benchmarks/gpu_run.sh   # some stages only (default: all but bert)
 #
 # Each stage has its own time limit and log, so that one stage's failure leaves the others' results.
 set -u
@@ -27,8 +28,10 @@ else
 fi
 METHODS=plain,private,opacus_ghost,lora_plain,lora_private,lora_opacus_ghost
 
+STAGES=${STAGES:-env cuda_tests step_s128 randn noise step_s512}
 stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
     local name=$1 limit=$2; shift 2
+    case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
     local start=$SECONDS
     echo "== $name (limit ${limit} s): $*" | tee "$OUT/$name.log"
     timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
@@ -36,7 +39,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.l
 }
 
 stage env 60 bash -c "nvidia-smi -L 2>/dev/null; uname -m; nproc; $PY -c 'import torch, transformers, peft, opacus, dp_accounting; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__, \"peft\", peft.__version__, \"opacus\", opacus.__version__)'"
-stage cuda_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_noise_counters.py -k cuda
+stage cuda_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_noise_counters.py -k cuda
 stage step_s128 240 $PY benchmarks/bench_hf_step.py --device $DEV --models gpt2 $GPT2 $S1 --reps 10 --rounds 2 \
     --methods $METHODS
 stage randn 60 $PY -c "import time, torch; d='$DEV'; x=torch.randn(int($DIM), device=d); ts=[]
@@ -46,3 +49,6 @@ print(f'torch normal_ in place, m = {int($DIM)}: {sorted(ts)[5]*1e3:.2f} ms (med
 stage noise 120 $PY -m corrnoise.cli bench noise --dim $DIM --steps 10 --device $DEV
 stage step_s512 150 $PY benchmarks/bench_hf_step.py --device $DEV --models gpt2 $GPT2 $S2 --reps 6 --rounds 2 \
     --methods $METHODS
+if [ -n "${DRY:-}" ]; then BERT="--width 64 --layers 2 --vocab 500"; else BERT="--width 768 --layers 12 --vocab 30522"; fi
+stage bert 120 $PY benchmarks/bench_hf_step.py --device $DEV --models bert $BERT --bert-ffn 4 $S1 --reps 10 --rounds 2 \
+    --methods plain,private,lora_plain,lora_private
