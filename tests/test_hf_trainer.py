@@ -566,6 +566,18 @@ def test_whisper_trains_with_its_labels_shifted_right_as_decoder_inputs(tmp_path
     assert not torch.equal(_params(model)["model.decoder.embed_tokens.weight"], before["model.decoder.embed_tokens.weight"])
 
 
+def test_a_compute_loss_that_bypasses_the_per_example_losses_is_one_line(tmp_path):
+    class TokenMean(PrivateTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).loss  # the batch's token mean: no per-example loss
+
+    trainer = TokenMean(model=_gpt2(), args=_args(tmp_path), train_dataset=_Texts(), privacy=PRIVACY,
+                        check_attribution=False)
+    with pytest.raises(CorrnoiseError) as err:
+        trainer.train()
+    _one_line(err, "compute_loss")
+
+
 def test_a_transformers_older_than_the_tested_ones_is_one_line(tmp_path, monkeypatch):
     from corrnoise.integrations.transformers import MIN_TRANSFORMERS
 

@@ -443,6 +443,23 @@ def test_compile_failure_is_said_once_and_the_eager_path_used(fresh_compile_stat
     assert S._COMPILED["cpu"] is None and torch.equal(got, want)
 
 
+def test_a_recompilation_that_fails_later_is_said_and_the_eager_path_used(fresh_compile_state, monkeypatch):
+    def probe_only(fn, **kwargs):
+        def run(pos, *a):
+            if pos.numel() != 4096:  # the probe passes; the run's own length does not build
+                raise RuntimeError("CompilationError at 68:12")
+            return fn(pos, *a)
+        return run
+
+    monkeypatch.setattr(torch, "compile", probe_only)
+    want = torch_path(5, 2, 10_000, torch.float32, chunk=512)
+    S.COMPILE_DEVICES.add("cpu")
+    got = torch.empty(10_000)
+    with pytest.warns(RuntimeWarning, match=r"not used on cpu \(RuntimeError: CompilationError at 68:12\)"):
+        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
+    assert S._COMPILED["cpu"] is None and torch.equal(got, want)
+
+
 def test_a_compiled_kernel_that_disagrees_is_refused(fresh_compile_state, monkeypatch):
     def off_by_a_bit(fn, **kwargs):
         return lambda *a: fn(*a) * (1 + 1e-3)

@@ -352,7 +352,12 @@ class PrivateTrainer(transformers.Trainer):
         else:
             if self._check_attribution_on and not self.private_optimizer.attribution_checked:
                 self._check_attribution(model, inputs)  # waits (None) while the micro-batch has fewer than 2
+            self._micro_loss = None
             super().training_step(model, inputs, *args, **kwargs)
+            if self._micro_loss is None:
+                raise CorrnoiseError("compute_loss", "the training loss did not come from PrivateTrainer.compute_loss "
+                                     "(the mean of per-example losses the clip needs): override per_example_losses "
+                                     "instead, or call super().compute_loss")
             loss = self._micro_loss  # the micro-batch's mean loss, however the Trainer scaled what it returns
         if micro.more:
             self.private_optimizer.step()  # mid logical batch: keeps the clipped sum, adds no noise

@@ -312,7 +312,13 @@ def _torch_normals(pos, t, m_chunk, key, f64, dtype):
     if fn is None:
         return _torch_normals_eager(pos, t, m_chunk, key, f64, dtype)
     scalars = torch.tensor([t, m_chunk[0], m_chunk[1], *key], dtype=torch.int64, device=dev)
-    return fn(pos, scalars[0], (scalars[1], scalars[2]), tuple(scalars[3:]), f64, dtype)
+    try:
+        return fn(pos, scalars[0], (scalars[1], scalars[2]), tuple(scalars[3:]), f64, dtype)
+    except torch.cuda.OutOfMemoryError:  # the eager ops would need more memory still
+        raise
+    except Exception as err:  # a recompilation (another length, dtype) that did not build
+        _compile_failed(dev.type, _first_line(err))
+        return _torch_normals_eager(pos, t, m_chunk, key, f64, dtype)
 
 
 _TORCH_PIECE = 1 << 22
