@@ -261,6 +261,11 @@ def _compile_failed(device_type: str, why: str) -> None:
 
 
 def _first_line(err: Exception) -> str:
+    """The error's type and first line; for dynamo's BackendCompilerFailed, the compiler's own
+    error inside it (a C++ or Triton compile error says more than "backend='inductor' raised:")."""
+    inner = getattr(err, "inner_exception", None)
+    if isinstance(inner, Exception):
+        return f"{type(err).__name__} ({_first_line(inner)})"
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
