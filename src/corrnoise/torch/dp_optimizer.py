@@ -248,7 +248,7 @@ class DPOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             noisy = self.privatizer.privatize(self._sums)
             for p, g in zip(self.params, noisy):
-                p.grad = g.to(dtype=p.dtype)
+                p.grad = g if g.dtype == p.dtype else g.to(dtype=p.dtype)
             self.original.step()
         count, clipped = self._count, self._clipped
         global_counts = getattr(self.privatizer, "all_reduce_counts", None)  # data parallel: the global batch

@@ -28,13 +28,19 @@ def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], c
     """(S + zeta * noise) / B for each parameter (Alg. 3.1, lines 7-8); ``noise`` = nu (C^{-1}Z)[t]."""
     if len(sums) != len(noise):
         raise CorrnoiseError("grads", f"{len(sums)} gradient tensors for {len(noise)} noise tensors")
-    out = []
-    for s, z in zip(sums, noise):
-        if tuple(s.shape) != tuple(z.shape):
+    sums, noise = list(sums), list(noise)
+    for i, (s, z) in enumerate(zip(sums, noise)):
+        if s.shape != z.shape:
             raise CorrnoiseError("grads", f"gradient of shape {tuple(s.shape)} does not match noise {tuple(z.shape)}")
-        # one temporary, not three: s + zeta z, then divided in place
-        out.append(torch.add(s, z.to(dtype=s.dtype, device=s.device), alpha=clip_norm).div_(expected_batch_size))
-    return out
+        if z.dtype != s.dtype or z.device != s.device:
+            noise[i] = z.to(dtype=s.dtype, device=s.device)
+    if not sums:
+        return []
+    # one temporary per parameter, not three: s + zeta z, then divided in place; as two multi-tensor
+    # calls rather than two per parameter (a GPU step waits on the host's calls: benchmarks/RESULTS.md)
+    out = torch._foreach_add(sums, noise, alpha=clip_norm)
+    torch._foreach_div_(out, expected_batch_size)
+    return list(out)
 
 
 class Privatizer:

@@ -975,9 +975,10 @@ class ClippingEngine:
                 n_j = self.parameters[j].shape[0]
                 block_sums[j] = (s_all[start:start + n_j], None if u_all is None else u_all[start:start + n_j])
                 start += n_j
+        out_dtypes = {d: torch.promote_types(acc, d) for d in {p.dtype for p in self.parameters}}
         for i, p in enumerate(self.parameters):
             fs = factors[i]
-            out_dtype = torch.promote_types(acc, p.dtype)
+            out_dtype = out_dtypes[p.dtype]
             if ghost[i]:
                 if not all_finite:
                     fs = [(_zero_rows(u, finite), _zero_rows(v, finite)) for u, v in fs]
@@ -993,7 +994,7 @@ class ClippingEngine:
                 unclipped = full.sum(dim=0) if check and all_finite else None
             else:
                 s, unclipped = torch.zeros(p.shape, dtype=out_dtype, device=dev), None
-            sums.append(s.to(out_dtype))
+            sums.append(s if s.dtype == out_dtype else s.to(out_dtype))
             if unclipped is not None and i in self._autograd:
                 ref = self._autograd[i].to(unclipped.dtype)
                 if float((unclipped - ref).norm()) > 1e-2 * float(ref.norm()) + 1e-6 * max(1.0, float(unclipped.norm())):
