@@ -434,19 +434,26 @@ def test_compiled_torch_path_on_cpu_matches_eager(fresh_compile_state):
     assert not torch.equal(got[:chunk], want[chunk:2 * chunk])  # not a constant or repeated block
 
 
+def _falls_back(monkeypatch, compile_fn, message: str, calls: int = 1):
+    """Fill a row with ``torch.compile`` replaced by ``compile_fn`` on the CPU: the warnings
+    matching ``message`` (one is asked for), and the row equal to the eager ops' (the fallback)."""
+    monkeypatch.setattr(torch, "compile", compile_fn)
+    want = torch_path(5, 2, 10_000, torch.float32, chunk=512)
+    S.COMPILE_DEVICES.add("cpu")
+    got = torch.empty(10_000)
+    with pytest.warns(RuntimeWarning, match=message) as caught:
+        for _ in range(calls):
+            S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
+    assert S._COMPILED["cpu"] is None and torch.equal(got, want)
+    return [w for w in caught if "seed-noise kernel" in str(w.message)]
+
+
 def test_compile_failure_is_said_once_and_the_eager_path_used(fresh_compile_state, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no backend here\nsecond line")
 
-    monkeypatch.setattr(torch, "compile", broken)
-    want = torch_path(5, 2, 10_000, torch.float32, chunk=512)
-    S.COMPILE_DEVICES.add("cpu")
-    got = torch.empty(10_000)
-    with pytest.warns(RuntimeWarning, match=r"not used on cpu \(RuntimeError: no backend here\)") as caught:
-        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
-        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
-    assert len([w for w in caught if "seed-noise kernel" in str(w.message)]) == 1
-    assert S._COMPILED["cpu"] is None and torch.equal(got, want)
+    said = _falls_back(monkeypatch, broken, r"not used on cpu \(RuntimeError: no backend here\)", calls=2)
+    assert len(said) == 1
 
 
 def test_a_recompilation_that_fails_later_is_said_and_the_eager_path_used(fresh_compile_state, monkeypatch):
@@ -457,26 +464,28 @@ def test_a_recompilation_that_fails_later_is_said_and_the_eager_path_used(fresh_
             return fn(pos, *a)
         return run
 
-    monkeypatch.setattr(torch, "compile", probe_only)
-    want = torch_path(5, 2, 10_000, torch.float32, chunk=512)
-    S.COMPILE_DEVICES.add("cpu")
-    got = torch.empty(10_000)
-    with pytest.warns(RuntimeWarning, match=r"not used on cpu \(RuntimeError: CompilationError at 68:12\)"):
-        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
-    assert S._COMPILED["cpu"] is None and torch.equal(got, want)
+    _falls_back(monkeypatch, probe_only, r"not used on cpu \(RuntimeError: CompilationError at 68:12\)")
 
 
 def test_a_compiled_kernel_that_disagrees_is_refused(fresh_compile_state, monkeypatch):
     def off_by_a_bit(fn, **kwargs):
         return lambda *a: fn(*a) * (1 + 1e-3)
 
-    monkeypatch.setattr(torch, "compile", off_by_a_bit)
-    want = torch_path(5, 2, 10_000, torch.float32, chunk=512)
-    S.COMPILE_DEVICES.add("cpu")
-    got = torch.empty(10_000)
-    with pytest.warns(RuntimeWarning, match=r"differs from the eager ops by [0-9.e+-]+ on a probe"):
-        S._fill_torch(got, 5, [(2, 1.0)], 10_000, 0, 512)
-    assert S._COMPILED["cpu"] is None and torch.equal(got, want)
+    _falls_back(monkeypatch, off_by_a_bit, r"differs from the eager ops by [0-9.e+-]+ on a probe")
+
+
+def test_a_wrapped_compiler_error_is_named_by_its_inner_error(fresh_compile_state, monkeypatch):
+    class BackendCompilerFailed(RuntimeError):  # dynamo's wrapper keeps the compiler's error
+        def __init__(self):
+            super().__init__("backend='inductor' raised:\nCppCompileError: ...")
+            self.inner_exception = ValueError("C++ compile error\nCommand: g++ ...")
+
+    def wrapped(fn, **kwargs):
+        def run(*a):
+            raise BackendCompilerFailed()
+        return run
+
+    _falls_back(monkeypatch, wrapped, r"not used on cpu \(BackendCompilerFailed \(ValueError: C\+\+ compile error\)\);")
 
 
 # --- distributed seed broadcast -------------------------------------------------------------------

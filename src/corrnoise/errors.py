@@ -94,3 +94,21 @@ def user_stacklevel() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def first_line(text: str | None) -> str:
+    """The first non-empty line of ``text`` (a docstring, an exception's message), or "": what a
+    one-line message quotes of a longer one."""
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def error_summary(err: BaseException) -> str:
+    """``Type: first line`` of an exception, for a one-line message; for an exception that wraps
+    the one that failed (dynamo's BackendCompilerFailed keeps it as ``inner_exception``), the
+    inner one too -- a compiler's own error says more than "backend='inductor' raised:"."""
+    inner = getattr(err, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        return f"{type(err).__name__} ({error_summary(inner)})"
+    text = first_line(str(err))
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import CorrnoiseError, check_real
+from ..errors import CorrnoiseError, check_real, first_line
 from .batching import BallsInBins, Batching, BlockCyclic, NoBatching, Poisson, parse_batching
 
 __all__ = [
@@ -214,7 +214,7 @@ def register_method(
             requires_nonnegative=any(getattr(c, "__name__", "") == "require_nonnegative" for c in checks),
             calibrate=calibrate,
             options=tuple(options),
-            description=description or _first_line(fn.__doc__),
+            description=description or first_line(fn.__doc__),
             delta_of=delta_of,
             preconditions=checks,
         )
@@ -234,11 +234,6 @@ def _preconditions(batchings, requires_nonnegative: bool, preconditions) -> tupl
     if requires_nonnegative and pre.require_nonnegative not in checks:
         checks += (pre.require_nonnegative,)
     return checks
-
-
-def _first_line(text: str | None) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def get_method(name: str) -> MethodSpec:

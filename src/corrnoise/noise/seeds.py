@@ -64,13 +64,14 @@ import math
 import os
 import secrets
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
 import torch
 
-from ..errors import CorrnoiseError, check_int
+from ..errors import CorrnoiseError, check_int, error_summary, user_stacklevel
 
 __all__ = [
     "DEFAULT_CHUNK", "SEED_BITS", "new_secret_seed", "check_seed", "derive_key", "block_counter",
@@ -252,22 +253,10 @@ _COMPILED_TOL = {False: 1e-5, True: 1e-12}
 
 def _compile_failed(device_type: str, why: str) -> None:
     """Say once, in one line, that the slow eager path is used on this device, and use it."""
-    import warnings
-
     _COMPILED[device_type] = None
     warnings.warn(f"corrnoise: the compiled seed-noise kernel is not used on {device_type} ({why}); "
                   "noise comes from eager torch ops, identical in value and about 20x slower "
-                  "(CORRNOISE_NO_COMPILE=1 silences this)", RuntimeWarning, stacklevel=3)
-
-
-def _first_line(err: Exception) -> str:
-    """The error's type and first line; for dynamo's BackendCompilerFailed, the compiler's own
-    error inside it (a C++ or Triton compile error says more than "backend='inductor' raised:")."""
-    inner = getattr(err, "inner_exception", None)
-    if isinstance(inner, Exception):
-        return f"{type(err).__name__} ({_first_line(inner)})"
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+                  "(CORRNOISE_NO_COMPILE=1 silences this)", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _check_compiled(fn, device, f64: bool, dtype) -> bool:
@@ -303,13 +292,13 @@ def _torch_normals(pos, t, m_chunk, key, f64, dtype):
         try:
             _COMPILED[dev.type] = torch.compile(_torch_normals_eager, dynamic=True)
         except Exception as err:  # no compiler for this device
-            _compile_failed(dev.type, _first_line(err))
+            _compile_failed(dev.type, error_summary(err))
     fn = _COMPILED[dev.type]
     if fn is not None and (dev.type, f64) not in _CHECKED:
         try:
             ok = _check_compiled(fn, dev, f64, dtype)
         except Exception as err:  # the kernel did not build
-            _compile_failed(dev.type, _first_line(err))
+            _compile_failed(dev.type, error_summary(err))
             ok = False
         if ok:
             _CHECKED.add((dev.type, f64))
@@ -322,7 +311,7 @@ def _torch_normals(pos, t, m_chunk, key, f64, dtype):
     except torch.cuda.OutOfMemoryError:  # the eager ops would need more memory still
         raise
     except Exception as err:  # a recompilation (another length, dtype) that did not build
-        _compile_failed(dev.type, _first_line(err))
+        _compile_failed(dev.type, error_summary(err))
         return _torch_normals_eager(pos, t, m_chunk, key, f64, dtype)
 
 

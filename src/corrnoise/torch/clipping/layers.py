@@ -38,7 +38,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...errors import CorrnoiseError
+from ...errors import CorrnoiseError, first_line
 from .formulas import OneHot
 
 __all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv",
@@ -413,7 +413,7 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
     except RuntimeError as exc:
         if "randomness" in str(exc):
             raise CorrnoiseError("module", f"{type(module).__name__} {_RANDOM_MESSAGE}") from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(str(exc)) or type(exc).__name__
         raise CorrnoiseError("module", f"{type(module).__name__}: per-example gradients by torch.func failed ({first}); "
                              "register a rule for it with register_layer") from None
 
