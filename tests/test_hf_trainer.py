@@ -123,9 +123,9 @@ def test_gradient_accumulation_gives_the_update_of_the_whole_logical_batch(tmp_p
 def test_a_trainer_that_divides_the_loss_by_the_accumulation_steps_trains_the_same_run(tmp_path):
     """transformers < 5.19 divide the loss compute_loss returns by the accumulation steps before
     backward for a model that takes no loss keywords (newer ones, told the loss is not scaled, the
-    same division; both forced below). With a clip of
-    20 (per-example norms here are about 4) a divided loss would shrink the update 2x; the unit
-    gradient at the micro-batch's mean keeps it the whole batch's update."""
+    same division; both forced below). With a clip of 20 (per-example norms here are about 4) a
+    divided loss would shrink the update 2x; the unit gradient at the micro-batch's mean keeps it
+    the whole batch's update."""
     privacy = dict(PRIVACY, mechanism="identity", batching="poisson", seed=3, max_grad_norm=20.0,
                    noise_multiplier=0.5)
     whole = _trainer(tmp_path / "whole", privacy=privacy, per_device_train_batch_size=4, max_steps=2)
