@@ -377,8 +377,142 @@ def test_cuda_z_equals_the_torch_path_on_cpu(dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     part = seed_noise(6, 9, m, dtype=dtype, device="cuda", start=777, stop=200_000, chunk_size=chunk).cpu()
     torch.testing.assert_close(part, got[777:200_000], rtol=0, atol=0)
-    # the fused kernel ran: the eager fallback is identical in value and ~100x slower (RESULTS.md)
-    assert S._COMPILED["cuda"] is not None and ("cuda", dtype == torch.float64) in S._CHECKED
+    # the fused kernel ran: the eager fallback is identical in value and ~100x slower (RESULTS.md);
+    # float32 with Triton installed: the Triton kernel, else the compiled torch ops
+    if dtype == torch.float32 and _has_triton():
+        assert S._TRITON["cuda"] is not None
+    else:
+        assert S._COMPILED["cuda"] is not None and ("cuda", dtype == torch.float64) in S._CHECKED
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --- the Triton kernel ---------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_triton_state(monkeypatch):
+    """The Triton kernel's cache emptied for one test, "cpu" among its devices (Triton runs on
+    the CPU only in its interpreter, TRITON_INTERPRET=1; the fakes below need no Triton)."""
+    monkeypatch.setattr(S, "_TRITON", {})
+    monkeypatch.setattr(S, "TRITON_DEVICES", {"cpu"})
+    monkeypatch.delenv("CORRNOISE_NO_TRITON", raising=False)
+
+
+def _eager_fill(out, seed, terms, m, start, chunk):
+    """The same fill with the Triton kernel off (the torch ops, eager on the CPU)."""
+    saved = dict(S._TRITON)
+    S._TRITON["cpu"] = None
+    try:
+        S._fill_torch(out, seed, terms, m, start, chunk)
+    finally:
+        S._TRITON.clear()
+        S._TRITON.update(saved)
+    return out
+
+
+@pytest.mark.skipif(not _has_triton(), reason="needs Triton")
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_triton_kernel_matches_the_torch_ops(fresh_triton_state, monkeypatch, device):
+    """The Triton kernel gives the torch path's Z (bit-identical Philox words; log, sin, cos to
+    float32 rounding): two terms, a shard that starts and ends inside blocks, odd block lengths,
+    the largest step. On the CPU it runs in Triton's interpreter (TRITON_INTERPRET=1)."""
+    import os
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on the CPU only with TRITON_INTERPRET=1")
+    S.TRITON_DEVICES.add(device)
+    m, chunk, start, stop = 70_001, 1 << 12, 333, 65_555
+    terms = [(S._MAX_T_TORCH, 1.3), (4, -0.5)]
+    got = torch.empty(stop - start, device=device)
+    S._fill_torch(got, 2**200 + 7, terms, m, start, chunk)
+    assert S._TRITON[device] is not None
+    want = _eager_fill(torch.empty(stop - start), 2**200 + 7, terms, m, start, chunk)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def _fake_triton(monkeypatch, fill_normals):
+    """A stand-in for :mod:`corrnoise.noise.triton_philox` whose fill is ``fill_normals``."""
+    import types
+
+    fake = types.ModuleType("corrnoise.noise.triton_philox")
+    fake.fill_normals = fill_normals
+    monkeypatch.setitem(sys.modules, "corrnoise.noise.triton_philox", fake)
+
+
+def _eager_kernel(out, start, t, chunk, m, key, coef, accumulate):
+    """What the Triton kernel computes, with the eager torch ops."""
+    pos = torch.arange(start, start + out.numel(), dtype=torch.int64, device=out.device)
+    z = coef * S._torch_normals_eager(pos, t, (chunk, m), key, False, torch.float32)
+    return out.add_(z) if accumulate else out.copy_(z)
+
+
+def test_triton_fill_is_used_after_its_probe(fresh_triton_state, monkeypatch):
+    calls = []
+
+    def fill(out, *args):
+        calls.append(out.numel())
+        return _eager_kernel(out, *args)
+
+    _fake_triton(monkeypatch, fill)
+    got = S._fill_torch(torch.empty(5_000), 3, [(2, 1.0), (7, 0.25)], 5_000, 0, 512) or None
+    assert got is None and calls == [4096, 4096, 5_000, 5_000]  # the probe's two, then one per term
+    assert S._TRITON["cpu"] is fill
+    # float64, a non-contiguous output and CORRNOISE_NO_TRITON take the torch ops
+    S._fill_torch(torch.empty(100, dtype=torch.float64), 3, [(2, 1.0)], 100, 0, 512)
+    S._fill_torch(torch.empty(200)[::2], 3, [(2, 1.0)], 100, 0, 512)
+    monkeypatch.setenv("CORRNOISE_NO_TRITON", "1")
+    S._fill_torch(torch.empty(100), 3, [(2, 1.0)], 100, 0, 512)
+    assert len(calls) == 4
+
+
+def test_no_triton_is_silent(fresh_triton_state, monkeypatch):
+    import warnings
+
+    monkeypatch.setitem(sys.modules, "corrnoise.noise.triton_philox", None)  # import raises ImportError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.empty(3_000)
+        S._fill_torch(got, 5, [(2, 1.0)], 3_000, 0, 512)
+    assert S._TRITON["cpu"] is None
+    assert torch.equal(got, torch_path(5, 2, 3_000, torch.float32, chunk=512))
+
+
+@pytest.mark.parametrize("fill,message", [
+    (lambda out, *a: _eager_kernel(out, *a).mul_(1 + 1e-3), r"\(it differs from the eager ops by [0-9.e+-]+ on a probe\)"),
+    (lambda out, *a: (_ for _ in ()).throw(RuntimeError("PTX error\nline 2")), r"\(RuntimeError: PTX error\)"),
+])
+def test_a_triton_kernel_that_fails_or_disagrees_is_refused(fresh_triton_state, monkeypatch, fill, message):
+    """Said once in one line; the row is then the torch ops' (identical in value)."""
+    _fake_triton(monkeypatch, fill)
+    got = torch.empty(3_000)
+    with pytest.warns(RuntimeWarning, match="Triton seed-noise kernel is not used on cpu " + message) as caught:
+        S._fill_torch(got, 5, [(2, 1.0)], 3_000, 0, 512)
+        S._fill_torch(got, 5, [(2, 1.0)], 3_000, 0, 512)
+    assert len([w for w in caught if "Triton" in str(w.message)]) == 1
+    assert S._TRITON["cpu"] is None and torch.equal(got, torch_path(5, 2, 3_000, torch.float32, chunk=512))
+
+
+def test_a_triton_launch_that_fails_after_the_probe_falls_back(fresh_triton_state, monkeypatch):
+    def fill(out, *args):
+        if out.numel() != 4096:
+            raise RuntimeError("out of resources: shared memory")
+        return _eager_kernel(out, *args)
+
+    _fake_triton(monkeypatch, fill)
+    got = torch.empty(3_000)
+    with pytest.warns(RuntimeWarning, match=r"not used on cpu \(RuntimeError: out of resources: shared memory\)"):
+        S._fill_torch(got, 5, [(2, 1.0), (3, 2.0)], 3_000, 0, 512)
+    want = torch.empty(3_000)
+    S._fill_torch(want, 5, [(2, 1.0), (3, 2.0)], 3_000, 0, 512)
+    assert S._TRITON["cpu"] is None and torch.equal(got, want)
 
 
 # --- the compiled torch path -------------------------------------------------------------------

@@ -38,10 +38,13 @@ Per-device paths (Z therefore depends on the device type, and on float32 vs floa
   bfloat16/float16 rows are the float32 row rounded. Default block: 2^18 coordinates.
 * other devices (CUDA, ...) -- Philox4x32-10 written with torch integer ops
   (:func:`philox4x32`, checked against the Random123 known-answer vectors), the same on every
-  device; lazily ``torch.compile``d into one kernel on CUDA (its scalars passed as device
-  tensors, the kernel checked once against the eager ops), eager otherwise -- and where the
-  compiled kernel does not build or disagrees, eager with a one-line warning (about 20x slower
-  on an H200 at m = 1.24e8: benchmarks/RESULTS.md).
+  device. On CUDA a float32 row is one Triton kernel where Triton is installed
+  (:mod:`corrnoise.noise.triton_philox`: 32-bit products, the same words); otherwise, and for
+  other dtypes, the torch ops are lazily ``torch.compile``d into one kernel on CUDA (its scalars
+  passed as device tensors), eager elsewhere. Each kernel is checked once against the eager ops
+  on a probe; one that does not build or disagrees gives a one-line warning and the next path
+  (the eager ops are about 20x slower than the compiled kernel on an H200 at m = 1.24e8:
+  benchmarks/RESULTS.md).
   Key = derive_key bytes 16..23 (64 bits); counter = (call, t | dtype bit 31, s0, s1) with
   (s0, s1) = derive_key bytes 24..31 (64 more secret bits): 128 secret bits. Pair p of the row
   (p = k * ceil(chunk_size / 2) + i) uses call p // 2, words 2(p % 2), 2(p % 2) + 1 in float32,
@@ -318,21 +321,90 @@ def _torch_normals(pos, t, m_chunk, key, f64, dtype):
 _TORCH_PIECE = 1 << 22
 
 
+#: device types on which the float32 torch path runs as the Triton kernel of
+#: :mod:`corrnoise.noise.triton_philox` where Triton is installed (tests add "cpu" under
+#: ``TRITON_INTERPRET=1``)
+TRITON_DEVICES = {"cuda"}
+#: device type -> :func:`corrnoise.noise.triton_philox.fill_normals`, or None where Triton is
+#: missing, turned off, or its kernel failed or disagreed with the eager ops on the probe
+_TRITON: dict[str, object] = {}
+
+
+def _triton_failed(device_type: str, why: str) -> None:
+    """Say once, in one line, that the Triton kernel is not used on this device."""
+    _TRITON[device_type] = None
+    warnings.warn(f"corrnoise: the Triton seed-noise kernel is not used on {device_type} ({why}); the torch ops "
+                  "run instead (compiled on CUDA): the same values to float32 rounding, several times slower "
+                  "(CORRNOISE_NO_TRITON=1 silences this)", RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def _check_triton(fill, device) -> bool:
+    """The Triton kernel against the eager ops on a probe spanning cosine and sine halves of
+    several blocks (m = 4096, chunk = 64), a fill and an accumulation; say why not if it differs."""
+    pos = torch.arange(4096, dtype=torch.int64, device=device)
+    key = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+    got = torch.empty(4096, dtype=torch.float32, device=device)
+    fill(got, 0, 5, 64, 4096, key, 0.75, False)
+    fill(got, 0, 6, 64, 4096, key, -0.5, True)
+    want = (0.75 * _torch_normals_eager(pos, 5, (64, 4096), key, False, torch.float32)
+            - 0.5 * _torch_normals_eager(pos, 6, (64, 4096), key, False, torch.float32))
+    tol = _COMPILED_TOL[False]
+    if not torch.allclose(got, want, rtol=tol, atol=tol):
+        _triton_failed(device.type, f"it differs from the eager ops by {float((got - want).abs().max()):.2e} on a probe")
+        return False
+    return True
+
+
+def _triton_fill(out: torch.Tensor):
+    """The Triton fill for ``out``, or None: only a contiguous float32 output on a device in
+    :data:`TRITON_DEVICES`, with Triton importable and its kernel checked once on the probe."""
+    dev = out.device
+    if (dev.type not in TRITON_DEVICES or out.dtype != torch.float32 or not out.is_contiguous()
+            or os.environ.get("CORRNOISE_NO_TRITON") == "1"):
+        return None
+    if dev.type not in _TRITON:
+        try:
+            from .triton_philox import fill_normals
+        except ImportError:  # no Triton here: the compiled torch kernel, said nowhere (nothing is wrong)
+            _TRITON[dev.type] = None
+            return None
+        try:
+            ok = _check_triton(fill_normals, dev)
+        except Exception as err:  # the kernel did not build on this device
+            _triton_failed(dev.type, error_summary(err))
+            ok = False
+        if ok:
+            _TRITON[dev.type] = fill_normals
+    return _TRITON[dev.type]
+
+
 def _fill_torch(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: int) -> None:
-    """out = sum_i coef_i Z[tau_i, start:start+len(out)] on the torch path (any device)."""
+    """out = sum_i coef_i Z[tau_i, start:start+len(out)] on the torch path (any device): one
+    Triton kernel per term where :func:`_triton_fill` allows, else pieces of the torch ops."""
     key = _torch_key(seed)
     f64 = out.dtype == torch.float64
     last_pair = -(-m // chunk) * ((chunk + 1) // 2)
     if (last_pair if f64 else last_pair // 2) >= 1 << 32:
         raise CorrnoiseError("dim", f"m = {m} needs more than 2^32 Philox calls per row on the torch path")
+    for tau, _ in terms:
+        if tau > _MAX_T_TORCH:
+            raise CorrnoiseError("t", f"step {tau} exceeds the torch-path counter limit 2^31 - 1")
+    fill = _triton_fill(out)
+    if fill is not None:
+        try:
+            for j, (tau, coef) in enumerate(terms):
+                fill(out, start, tau, chunk, m, key, coef, j > 0)
+            return
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # a launch that failed after the probe passed
+            _triton_failed(out.device.type, error_summary(err))
     work = torch.float64 if f64 else torch.float32
     size = out.numel()
     for a in range(0, size, _TORCH_PIECE):
         b = min(size, a + _TORCH_PIECE)
         pos = torch.arange(start + a, start + b, dtype=torch.int64, device=out.device)
         for j, (tau, coef) in enumerate(terms):
-            if tau > _MAX_T_TORCH:
-                raise CorrnoiseError("t", f"step {tau} exceeds the torch-path counter limit 2^31 - 1")
             z = _torch_normals(pos, tau, (chunk, m), key, f64, work)
             if j == 0:
                 out[a:b].copy_(z)
