@@ -41,13 +41,12 @@ def resolve_dim(dim: Any) -> tuple[int, list[torch.Size] | None]:
 
 
 def split_flat(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    """Consecutive views of the flat row ``flat`` with the given ``shapes`` (from :func:`resolve_dim`)."""
-    out, pos = [], 0
-    for s in shapes:
-        k = int(math.prod(s))
-        out.append(flat[pos : pos + k].view(s))
-        pos += k
-    return out
+    """Consecutive views of the flat row ``flat`` with the given ``shapes`` (from :func:`resolve_dim`).
+    One split, then a view each (a slice per parameter would be one more host call each)."""
+    sizes = [int(math.prod(s)) for s in shapes]
+    if sum(sizes) < flat.numel():
+        flat = flat[: sum(sizes)]
+    return [part.view(s) for part, s in zip(flat.split(sizes), shapes)]
 
 
 class NoiseGenerator:

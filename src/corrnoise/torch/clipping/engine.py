@@ -136,7 +136,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
-from .formulas import (OneHot, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_only,
+from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_only,
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
                      fallback_handler, handler_for, layernorm_handler, linear_handler, owned_parameters,
@@ -783,12 +783,10 @@ class ClippingEngine:
         the examples in the batch, for calls that see it flattened, :meth:`_flattened`)."""
         factors: list[list] = [[] for _ in self.parameters]
         dense: list[list] = [[] for _ in self.parameters]
+        seen = {g.dtype for calls in self._calls.values() for call in calls for g in call.grads if g is not None}
         acc = dtype_floor
-        for m, calls in self._calls.items():
-            for call in calls:
-                for g in call.grads:
-                    if g is not None:
-                        acc = torch.promote_types(acc, g.dtype)
+        for dt in seen:  # once per dtype, not per grad output (each is a host call)
+            acc = torch.promote_types(acc, dt)
         used = []  # (module, call, its batch dimension, its rows if it sees the batch flattened else 0)
         for m, calls in self._calls.items():
             handler = self._owners[m][0]
@@ -957,18 +955,18 @@ class ClippingEngine:
         block_sums: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if block is not None:
             rows = block if all_finite else _zero_rows(block, finite)
-            s_all = torch.mv(rows.t(), w_raw.to(rows.dtype))
+            s_all = torch.mv(rows.t(), as_dtype(w_raw, rows.dtype))
             u_all = rows.sum(dim=0) if check and all_finite else None
-            start = 0
-            for i in small:
-                shape, n_i = self.parameters[i].shape, self.parameters[i].numel()
-                block_sums[i] = (s_all[start:start + n_i].view(shape),
-                                 None if u_all is None else u_all[start:start + n_i].view(shape))
-                start += n_i
+            sizes = [self.parameters[i].numel() for i in small]  # one split, not a slice per parameter
+            s_parts = s_all.split(sizes)
+            u_parts = [None] * len(small) if u_all is None else u_all.split(sizes)
+            for i, s_i, u_i in zip(small, s_parts, u_parts):
+                shape = self.parameters[i].shape
+                block_sums[i] = (s_i.view(shape), None if u_i is None else u_i.view(shape))
         for members in groups:  # one weighted sum per shared-input group, cut into its members' rows
             full = grouped[members[0]]
             rows = full.view(b, -1) if all_finite else _zero_rows(full, finite).view(b, -1)
-            s_all = torch.mv(rows.t(), w_raw.to(rows.dtype)).view(full.shape[1:])
+            s_all = torch.mv(rows.t(), as_dtype(w_raw, rows.dtype)).view(full.shape[1:])
             u_all = full.sum(dim=0) if check and all_finite else None
             start = 0
             for j in members:

@@ -28,6 +28,7 @@ import torch
 from ..per_example import clip_factors
 
 __all__ = [
+    "as_dtype",
     "OneHot",
     "GHOST_RATIO",
     "use_ghost",
@@ -109,6 +110,13 @@ def one_hot_only(factors: list[tuple[object, torch.Tensor]]) -> bool:
     return all(isinstance(u, OneHot) or isinstance(v, OneHot) for u, v in factors)
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: ``x`` itself when it already is. ``Tensor.to`` returns the same tensor
+    then too, but it is still an operator call, and a GPU step waits on the host's calls
+    (benchmarks/RESULTS.md, operator calls per step)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def gram(x, y) -> torch.Tensor:
     """Gram matrix (B, G, T_x, T_y) of the rows of two factor sides (dense or :class:`OneHot`).
 
@@ -151,8 +159,10 @@ def ghost_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
         for b in range(a, len(stacked)):
             (u1, v1), (u2, v2) = stacked[a], stacked[b]
             gu, gv = gram(u1, u2), gram(v1, v2)
-            dt = torch.promote_types(gu.dtype, gv.dtype)  # a one-hot Gram (0/1) takes the dense side's dtype
-            term = (gu.to(dt) * gv.to(dt)).sum(dim=(1, 2, 3))
+            if gu.dtype != gv.dtype:  # a one-hot Gram (0/1) takes the dense side's dtype
+                dt = torch.promote_types(gu.dtype, gv.dtype)
+                gu, gv = gu.to(dt), gv.to(dt)
+            term = (gu * gv).sum(dim=(1, 2, 3))
             term = term if a == b else 2 * term
             total = term if total is None else total + term
     return total.clamp(min=0.0)
@@ -173,7 +183,7 @@ def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.T
             continue
         b, g, t, q = v.shape
         if isinstance(u, OneHot) or g != 1 or u.shape[-1] >= q:
-            wv = v * weights.to(v.dtype).view(b, 1, 1, 1)
+            wv = v * as_dtype(weights, v.dtype).view(b, 1, 1, 1)
         if isinstance(u, OneHot):
             rows = (u.idx + torch.arange(g, device=v.device).view(1, g, 1) * u.size).reshape(-1)
             s = torch.zeros(g * u.size, q, dtype=v.dtype, device=v.device)
@@ -182,7 +192,7 @@ def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.T
             # one plain matmul over the stacked (example, position) rows; the weights go on the
             # narrower side
             if u.shape[-1] < q:
-                s = torch.mm((u * weights.to(u.dtype).view(b, 1, 1, 1)).reshape(b * t, -1).t(), v.reshape(b * t, q))
+                s = torch.mm((u * as_dtype(weights, u.dtype).view(b, 1, 1, 1)).reshape(b * t, -1).t(), v.reshape(b * t, q))
             else:
                 s = torch.mm(u.reshape(b * t, -1).t(), wv.reshape(b * t, q))
         else:

@@ -39,7 +39,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, first_line
-from .formulas import OneHot
+from .formulas import OneHot, as_dtype
 
 __all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv",
            "call_batch_size", "embedding_handler", "expand_shared_indices", "is_peft_lora_embedding",
@@ -124,7 +124,7 @@ def call_batch_size(module: nn.Module, args, kwargs) -> int:
 
 def _rows(x: torch.Tensor, dtype) -> torch.Tensor:
     """(B, *, d) -> (B, 1, T, d) with T = prod(*), upcast to the accumulation dtype."""
-    return x.reshape(x.shape[0], 1, -1, x.shape[-1]).to(dtype)
+    return as_dtype(x.reshape(x.shape[0], 1, -1, x.shape[-1]), dtype)
 
 
 def linear_handler(module, args, kwargs, grad_outs, dtype):
@@ -203,7 +203,7 @@ def embedding_handler(module, args, kwargs, grad_outs, dtype):
                              "pass indices shared by the batch as (1, L) and one index per example as (B, 1)")
     b = x.shape[0]
     idx = x.reshape(b, 1, -1).long()
-    gg = g.reshape(b, 1, idx.shape[2], -1).to(dtype)
+    gg = as_dtype(g.reshape(b, 1, idx.shape[2], -1), dtype)
     if module.padding_idx is not None:
         gg = gg * (idx != module.padding_idx).unsqueeze(-1).to(dtype)
     return {"weight": [(OneHot(idx, module.num_embeddings), gg)]}
@@ -235,7 +235,7 @@ def peft_lora_embedding_handler(module, args, kwargs, grad_outs, dtype):
                              "pass indices shared by the batch as (1, L) and one index per example as (B, 1)")
     b = x.shape[0]
     idx = x.reshape(b, 1, -1).long()
-    g = grad_outs[0].reshape(b, 1, idx.shape[2], -1).to(dtype)
+    g = as_dtype(grad_outs[0].reshape(b, 1, idx.shape[2], -1), dtype)
     embed_scale = module._get_embed_scale() if hasattr(module, "_get_embed_scale") else None
     out = {}
     for name in module.active_adapters:
@@ -313,7 +313,7 @@ def _affine_grads(module, g, x_hat, channel_dims: tuple[int, ...]):
 
 def layernorm_handler(module, args, kwargs, grad_outs, dtype):
     """nn.LayerNorm: x_hat = (x - mean) / sqrt(var + eps) over normalized_shape (biased var)."""
-    x, g = _input(args, kwargs, module).to(dtype), grad_outs[0].to(dtype)
+    x, g = as_dtype(_input(args, kwargs, module), dtype), as_dtype(grad_outs[0], dtype)
     _batched(x, module)
     k = len(module.normalized_shape)
     dims = tuple(range(x.dim() - k, x.dim()))
@@ -327,7 +327,7 @@ def rmsnorm_handler(module, args, kwargs, grad_outs, dtype):
     """nn.RMSNorm: x_hat = x / sqrt(mean(x^2) + eps), eps defaulting to finfo(input dtype).eps."""
     x_in = _input(args, kwargs, module)
     _batched(x_in, module)
-    x, g = x_in.to(dtype), grad_outs[0].to(dtype)
+    x, g = as_dtype(x_in, dtype), as_dtype(grad_outs[0], dtype)
     eps = module.eps if module.eps is not None else torch.finfo(x_in.dtype).eps
     k = len(module.normalized_shape)
     dims = tuple(range(x.dim() - k, x.dim()))
@@ -337,7 +337,7 @@ def rmsnorm_handler(module, args, kwargs, grad_outs, dtype):
 
 def groupnorm_handler(module, args, kwargs, grad_outs, dtype):
     """nn.GroupNorm on (B, C, *): x_hat normalized per (example, group); affine per channel."""
-    x, g = _input(args, kwargs, module).to(dtype), grad_outs[0].to(dtype)
+    x, g = as_dtype(_input(args, kwargs, module), dtype), as_dtype(grad_outs[0], dtype)
     _batched(x, module)
     x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)  # fused, as in layernorm_handler
     return _affine_grads(module, g, x_hat, (1,))
