@@ -780,8 +780,51 @@ def test_trl_dpo_per_pair_losses_are_trls_and_each_pairs_gradient_its_own(tmp_pa
     engine.detach()
 
 
-@pytest.mark.parametrize("setting,value", [("loss_type", ["hinge"]), ("use_weighting", True), ("ld_alpha", 0.5),
-                                           ("f_divergence_type", "js_divergence")])
+#: every per-pair loss of trl's DPOTrainer, with the settings it reads, and mixtures of them
+DPO_LOSSES = [
+    *[{"loss_type": [t]} for t in ("sigmoid", "hinge", "ipo", "sigmoid_norm", "nca_pair", "bco_pair", "sppo_hard",
+                                   "apo_zero", "apo_down")],
+    {"loss_type": ["exo_pair"], "label_smoothing": 1e-3},
+    {"loss_type": ["robust"], "label_smoothing": 0.2},
+    {"loss_type": ["discopop"], "discopop_tau": 0.5},
+    {"loss_type": ["sigmoid", "bco_pair", "ipo"], "loss_weights": [0.8, 0.2, 1.5]},
+    {"loss_type": ["sigmoid", "hinge"], "f_divergence_type": "js_divergence"},
+    {"loss_type": ["ipo"], "f_divergence_type": "forward_kl"},
+    {"loss_type": ["robust"], "label_smoothing": 0.1, "f_divergence_type": "alpha_divergence",
+     "f_alpha_divergence_coef": 0.3},
+]
+
+
+@pytest.mark.parametrize("setting", DPO_LOSSES, ids=lambda d: "-".join(map(str, d.values())).replace(" ", ""))
+def test_trl_dpo_every_per_pair_loss_averages_to_trls(tmp_path, setting):
+    """For each per-pair loss type, weighting and f-divergence trl defines, the pairs' losses
+    average to trl's own loss on the same batch (float64 policy; trl's fused head gives float32
+    log-probabilities, so to float32 rounding). A pair's chosen and rejected completions swapped
+    move some pair's loss by far more (the check that the columns are read as chosen, rejected)."""
+    trl = pytest.importorskip("trl")
+    from corrnoise.integrations import PrivateDPOTrainer
+    from corrnoise.integrations.trl import _PairRows
+
+    train, tokenizer, config = _dpo_parts(tmp_path, beta=0.5, **setting)
+    policy, reference = _policy_and_reference(torch.float64)
+    plain = trl.DPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                           processing_class=tokenizer)
+    rows = next(iter(plain.get_train_dataloader()))
+    theirs = plain.compute_loss(plain.model, rows)
+    trainer = PrivateDPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                                processing_class=tokenizer, privacy=PRIVACY)
+    pairs = _PairRows(lambda _: {k: v.clone() for k, v in rows.items()})([None] * 4)
+    losses, _ = trainer._example_losses(policy, pairs)
+    assert losses.shape == (4,) and float(losses.detach().std()) > 1e-4
+    torch.testing.assert_close(losses.mean().float(), theirs, rtol=2e-5, atol=1e-6)
+    swapped = {**pairs, **{k: pairs[k].flip(1) for k in ("input_ids", "attention_mask", "completion_mask")}}
+    moved = (trainer._example_losses(policy, swapped)[0] - losses).detach().abs().max()
+    assert float(moved) > 1e-3, float(moved)
+
+
+@pytest.mark.parametrize("setting,value", [("loss_type", ["aot"]), ("loss_type", ["sigmoid", "sft"]),
+                                           ("use_weighting", True), ("ld_alpha", 0.5),
+                                           ("label_smoothing", 0.1)])
 def test_trl_dpo_settings_without_a_per_pair_loss_are_refused(tmp_path, setting, value):
     train, tokenizer, config = _dpo_parts(tmp_path, **{setting: value})
     from corrnoise.integrations import PrivateDPOTrainer

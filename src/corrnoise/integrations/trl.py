@@ -18,16 +18,24 @@ gradient, so a pair's presence is what the guarantee protects. trl collates a ba
 2B rows, the B chosen then the B rejected; the private loader hands them over as (B, 2, L)
 instead, and the model runs on the rows pair-major (chosen 0, rejected 0, chosen 1, ...): the
 clipping engine reads such rows once the first batch's attribution check has verified them, as
-for a multiple-choice model. The loss per pair is DPO's sigmoid loss (:func:`dpo_sigmoid_losses`);
-the reference log-probabilities are trl's (its reference model, peft's adapters switched off, or
-the precomputed column), computed without gradients. Refused: the other loss types and
-divergences, ``loss_weights``, ``ld_alpha``, ``use_weighting``, ``padding_free``,
-``activation_offloading`` and a mixture-of-experts router loss (one line each). Evaluation is trl's.
+for a multiple-choice model. The loss per pair is trl's ``loss_type`` list weighted by
+``loss_weights`` (:func:`dpo_pair_losses`), each type a function of that pair alone
+(:data:`PAIR_LOSSES`: DPO's sigmoid, hinge, IPO, sigmoid_norm, EXO, NCA, robust DPO, BCO, hard SPPO,
+APO-zero / -down, DiscoPOP), with trl's f-divergence scores (:func:`f_divergence_scores`); each
+pair's mean of them equals trl's loss on the same batch (tested for every type). The reference
+log-probabilities are trl's (its reference model, peft's adapters switched off, or the
+precomputed column), computed without gradients. Refused: the loss types that are no function of
+one pair ("aot" and "aot_unpaired" sort the batch, "sft" averages its tokens), ``ld_alpha``,
+``use_weighting``, ``padding_free``, ``activation_offloading`` and a mixture-of-experts router
+loss (one line each). Evaluation is trl's.
 
 ``pip install trl``.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +44,8 @@ import trl
 from ..errors import CorrnoiseError
 from .transformers import PrivateTrainer, _output
 
-__all__ = ["PrivateSFTTrainer", "PrivateDPOTrainer", "dpo_sigmoid_losses", "completion_logps"]
+__all__ = ["PrivateSFTTrainer", "PrivateDPOTrainer", "PairTerms", "PAIR_LOSSES", "dpo_pair_losses", "f_divergence_scores",
+           "completion_logps"]
 
 
 class PrivateSFTTrainer(PrivateTrainer, trl.SFTTrainer):
@@ -100,7 +109,8 @@ class PrivateDPOTrainer(PrivateTrainer, trl.DPOTrainer):
         reference = self._reference_logps(inputs)
         outputs = model(input_ids=ids, attention_mask=mask, use_cache=False)
         logps = completion_logps(_output(outputs, "logits", 0), ids, completion).view(-1, 2)
-        return dpo_sigmoid_losses(logps, reference, self.beta), outputs
+        lengths = completion.sum(dim=1).view(-1, 2)
+        return dpo_pair_losses(logps, reference, lengths, self.args), outputs
 
     def _reference_logps(self, inputs) -> torch.Tensor:
         """(B, 2): each pair's reference log-probabilities of its chosen and rejected completion,
@@ -144,25 +154,170 @@ def completion_logps(logits: torch.Tensor, ids: torch.Tensor, completion: torch.
     return (picked * completion[:, 1:].to(picked.dtype)).sum(dim=1)
 
 
-def dpo_sigmoid_losses(logps: torch.Tensor, reference: torch.Tensor, beta: float) -> torch.Tensor:
-    """DPO's loss per pair (Rafailov et al. 2023, Eq. 7), (B,): -log sigmoid(beta ((log pi(y_w) -
-    log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)))), from (B, 2) log-probabilities of the
-    chosen (column 0) and rejected (column 1) completions, the policy's and the reference's."""
+@dataclass(frozen=True)
+class PairTerms:
+    """What one preference pair's DPO-family loss reads, each (B,) or (B, 2) (column 0 the chosen,
+    1 the rejected completion): log-ratios r = log pi - log pi_ref, their f-divergence scores,
+    the completions' token counts (at least 1), and trl's loss settings."""
+
+    ratios: torch.Tensor
+    scores: torch.Tensor
+    lengths: torch.Tensor
+    beta: float
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+
+    @property
+    def delta(self) -> torch.Tensor:
+        """The chosen score less the rejected score, (B,)."""
+        return self.scores[:, 0] - self.scores[:, 1]
+
+
+def f_divergence_scores(ratios: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:
+    """f-DPO's scores f'(pi / pi_ref) of log-ratios r (Wang et al. 2023, "Beyond Reverse KL", Thm. 1):
+    reverse KL r; forward KL 1 - e^-r; Jensen-Shannon log 2 + log sigmoid(r); alpha-divergence
+    (e^((alpha - 1) r) - 1) / (alpha - 1), r itself as alpha -> 1 (its exponent capped at 80 as trl does)."""
+    if divergence == "reverse_kl":
+        return ratios
+    if divergence == "forward_kl":
+        return 1 - torch.exp(-ratios)
+    if divergence == "js_divergence":
+        return math.log(2) + F.logsigmoid(ratios)
+    if divergence == "alpha_divergence":
+        if abs(alpha - 1.0) < 1e-6:
+            return ratios
+        return (torch.exp(torch.clamp((alpha - 1.0) * ratios, max=80.0)) - 1.0) / (alpha - 1.0)
+    raise CorrnoiseError("f_divergence_type", f"is {divergence!r}: not one of reverse_kl, forward_kl, js_divergence, "
+                         "alpha_divergence")
+
+
+def _sigmoid(p: PairTerms) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023, Eq. 7): -log sigmoid(beta delta)."""
+    return -F.logsigmoid(p.beta * p.delta)
+
+
+def _hinge(p: PairTerms) -> torch.Tensor:
+    """SLiC's hinge loss on the DPO margin (Zhao et al. 2023): max(0, 1 - beta delta)."""
+    return torch.relu(1 - p.beta * p.delta)
+
+
+def _ipo(p: PairTerms) -> torch.Tensor:
+    """IPO (Azar et al. 2023, Eq. 17) on per-token mean scores, as trl normalizes it:
+    (s_w / n_w - s_l / n_l - 1 / (2 beta))^2."""
+    mean = p.scores / p.lengths
+    return (mean[:, 0] - mean[:, 1] - 1 / (2 * p.beta)) ** 2
+
+
+def _sigmoid_norm(p: PairTerms) -> torch.Tensor:
+    """DPO on per-token mean scores: -log sigmoid(beta (s_w / n_w - s_l / n_l))."""
+    mean = p.scores / p.lengths
+    return -F.logsigmoid(p.beta * (mean[:, 0] - mean[:, 1]))
+
+
+def _exo_pair(p: PairTerms) -> torch.Tensor:
+    """EXO (Ji et al. 2024, Eq. 16) for two completions: KL(softmax(beta s) || (1 - eps, eps)),
+    eps = label_smoothing > 0."""
+    h, eps = p.beta * p.delta, p.label_smoothing
+    return (torch.sigmoid(h) * (F.logsigmoid(h) - math.log1p(-eps))
+            + torch.sigmoid(-h) * (F.logsigmoid(-h) - math.log(eps)))
+
+
+def _nca_pair(p: PairTerms) -> torch.Tensor:
+    """NCA (Chen et al. 2024, pairwise): -log sigmoid(beta r_w) - (log sigmoid(-beta r_w) +
+    log sigmoid(-beta r_l)) / 2."""
+    w, l = p.beta * p.ratios[:, 0], p.beta * p.ratios[:, 1]
+    return -F.logsigmoid(w) - 0.5 * F.logsigmoid(-w) - 0.5 * F.logsigmoid(-l)
+
+
+def _robust(p: PairTerms) -> torch.Tensor:
+    """Robust DPO (Chowdhury et al. 2024, Eq. 8) for preferences flipped with probability
+    eps = label_smoothing < 1/2: ((1 - eps) l(h) - eps l(-h)) / (1 - 2 eps), l = -log sigmoid."""
+    h, eps = p.beta * p.delta, p.label_smoothing
+    return (-(1 - eps) * F.logsigmoid(h) + eps * F.logsigmoid(-h)) / (1 - 2 * eps)
+
+
+def _bco_pair(p: PairTerms) -> torch.Tensor:
+    """BCO on a pair (Jung et al. 2024): -log sigmoid(beta r_w) - log sigmoid(-beta r_l)."""
+    return -F.logsigmoid(p.beta * p.ratios[:, 0]) - F.logsigmoid(-p.beta * p.ratios[:, 1])
+
+
+def _sppo_hard(p: PairTerms) -> torch.Tensor:
+    """SPPO with hard win probabilities (Wu et al. 2024, Eq. 4.7, P = 1 / 0):
+    (r_w - 1 / (2 beta))^2 + (r_l + 1 / (2 beta))^2."""
+    return (p.ratios[:, 0] - 0.5 / p.beta) ** 2 + (p.ratios[:, 1] + 0.5 / p.beta) ** 2
+
+
+def _apo_zero(p: PairTerms) -> torch.Tensor:
+    """APO-zero (D'Oosterlinck et al. 2024, Eq. 7): 1 - sigmoid(beta r_w) + sigmoid(beta r_l)."""
+    return 1 - torch.sigmoid(p.beta * p.ratios[:, 0]) + torch.sigmoid(p.beta * p.ratios[:, 1])
+
+
+def _apo_down(p: PairTerms) -> torch.Tensor:
+    """APO-down (D'Oosterlinck et al. 2024, Eq. 8): sigmoid(beta r_w) + 1 - sigmoid(beta (r_w - r_l))."""
+    return torch.sigmoid(p.beta * p.ratios[:, 0]) + 1 - torch.sigmoid(p.beta * (p.ratios[:, 0] - p.ratios[:, 1]))
+
+
+def _discopop(p: PairTerms) -> torch.Tensor:
+    """DiscoPOP (Lu et al. 2024, Eq. 5), h = beta delta: -log sigmoid(h) (1 - m) + e^-h m,
+    m = sigmoid(h / tau)."""
+    h = p.beta * p.delta
+    m = torch.sigmoid(h / p.discopop_tau)
+    return -F.logsigmoid(h) * (1 - m) + torch.exp(-h) * m
+
+
+#: trl's DPO loss types that are functions of one pair alone, which is what clipping each pair needs
+#: ("aot" and "aot_unpaired" sort the batch's margins, "sft" averages the batch's tokens: refused)
+PAIR_LOSSES = {"sigmoid": _sigmoid, "hinge": _hinge, "ipo": _ipo, "sigmoid_norm": _sigmoid_norm,
+               "exo_pair": _exo_pair, "nca_pair": _nca_pair, "robust": _robust, "bco_pair": _bco_pair,
+               "sppo_hard": _sppo_hard, "apo_zero": _apo_zero, "apo_down": _apo_down, "discopop": _discopop}
+#: the loss types trl defines an f-divergence for (the others read log-ratios, not scores)
+F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop"}
+
+
+def dpo_pair_losses(logps: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, args) -> torch.Tensor:
+    """Each pair's loss, (B,): sum_k w_k loss_k over trl's ``loss_type`` list and ``loss_weights``
+    (default all 1), from (B, 2) log-probabilities of the chosen and rejected completions, the
+    policy's and the reference's, and their (B, 2) completion token counts. ``args`` is trl's
+    DPOConfig (beta, f_divergence_type, f_alpha_divergence_coef, label_smoothing, discopop_tau)."""
     ratios = logps - reference.to(logps.dtype)
-    return -F.logsigmoid(beta * (ratios[:, 0] - ratios[:, 1]))
+    scores = f_divergence_scores(ratios, getattr(args, "f_divergence_type", "reverse_kl") or "reverse_kl",
+                                 getattr(args, "f_alpha_divergence_coef", 0.5))
+    terms = PairTerms(ratios, scores, lengths.to(logps.dtype).clamp(min=1.0), float(args.beta),
+                      float(getattr(args, "label_smoothing", 0.0)), float(getattr(args, "discopop_tau", 0.05)))
+    types = _loss_types(args)
+    weights = getattr(args, "loss_weights", None) or [1.0] * len(types)
+    total = None
+    for name, weight in zip(types, weights, strict=True):
+        loss = weight * PAIR_LOSSES[name](terms)
+        total = loss if total is None else total + loss
+    return total
+
+
+def _loss_types(args) -> list[str]:
+    loss_type = getattr(args, "loss_type", ["sigmoid"])
+    return [loss_type] if isinstance(loss_type, str) else list(loss_type)
 
 
 def _refuse_dpo_settings(args, router_loss: bool = False) -> None:
     """One line naming the first DPO setting that has no per-pair loss here, or that mixes or moves
     what the clipping engine reads."""
-    loss_type = getattr(args, "loss_type", ["sigmoid"])
-    loss_type = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    loss_type = _loss_types(args)
+    other = [t for t in loss_type if t not in PAIR_LOSSES]
+    divergence = getattr(args, "f_divergence_type", "reverse_kl") or "reverse_kl"
     refusals = [
-        ("loss_type", loss_type != ["sigmoid"], f"is {loss_type}: only ['sigmoid'] (DPO) has a per-pair loss here"),
-        ("loss_weights", getattr(args, "loss_weights", None) not in (None, [1.0]), "weighs several losses: only "
-         "DPO's sigmoid loss alone has a per-pair loss here"),
-        ("f_divergence_type", getattr(args, "f_divergence_type", "reverse_kl") not in ("reverse_kl", None),
-         "only 'reverse_kl' (DPO) has a per-pair loss here"),
+        ("loss_type", bool(other), f"includes {other}: not a loss of one pair alone (aot sorts the batch's margins, "
+         f"sft averages its tokens); per-pair types: {sorted(PAIR_LOSSES)}"),
+        ("f_divergence_type", divergence not in ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"),
+         f"is {divergence!r}: not one trl defines"),
+        ("f_divergence_type", divergence != "reverse_kl" and not set(loss_type) <= F_DIVERGENCE_LOSSES,
+         f"is {divergence!r}, defined only for loss types {sorted(F_DIVERGENCE_LOSSES)}"),
+        ("label_smoothing", "exo_pair" in loss_type and not 0 < getattr(args, "label_smoothing", 0.0) < 1,
+         "must lie in (0, 1) for the exo_pair loss"),
+        ("label_smoothing", "robust" in loss_type and not 0 <= getattr(args, "label_smoothing", 0.0) < 0.5,
+         "must lie in [0, 0.5) for the robust loss"),
+        ("label_smoothing", getattr(args, "label_smoothing", 0.0) != 0 and not {"exo_pair", "robust"} & set(loss_type),
+         "is read only by the exo_pair and robust losses here (older trl smoothed the sigmoid loss too): set 0 "
+         "or use loss_type 'robust'"),
         ("ld_alpha", getattr(args, "ld_alpha", None) is not None, "only None has a per-pair loss here"),
         ("use_weighting", getattr(args, "use_weighting", False), "only False has a per-pair loss here"),
         *_row_refusals(args),

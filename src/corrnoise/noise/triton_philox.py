@@ -30,11 +30,12 @@ __all__ = ["fill_normals", "BLOCK"]
 #: coordinates per Triton program
 BLOCK = 1024
 
-# Random123 philox.h: round multipliers and Weyl key increments (the same constants as seeds.py's)
-_M0: tl.constexpr = 0xD2511F53
-_M1: tl.constexpr = 0xCD9E8D57
-_W0: tl.constexpr = 0x9E3779B9
-_W1: tl.constexpr = 0xBB67AE85
+# Random123 philox.h: round multipliers and Weyl key increments (the same constants as seeds.py's);
+# a kernel reads a global only as a tl.constexpr instance
+_M0 = tl.constexpr(0xD2511F53)
+_M1 = tl.constexpr(0xCD9E8D57)
+_W0 = tl.constexpr(0x9E3779B9)
+_W1 = tl.constexpr(0xBB67AE85)
 
 
 @triton.jit(do_not_specialize=["n", "start", "t", "chunk", "m", "k0", "k1", "s0", "s1", "coef"])
