@@ -44,6 +44,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.l
 
 stage env 60 bash -c "nvidia-smi -L 2>/dev/null; uname -m; nproc; $PY -c 'import torch, transformers, peft, opacus, dp_accounting; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__, \"peft\", peft.__version__, \"opacus\", opacus.__version__)'; $PY -c 'import triton; print(\"triton\", triton.__version__)' || echo no triton"
 stage cuda_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_noise_counters.py -k "cuda or triton"
+stage noise_tests 90 $PY -m pytest -q -p no:cacheprovider tests/test_noise_counters.py -k "cuda or triton"
 stage step_s128 240 $PY benchmarks/bench_hf_step.py --device $DEV --models gpt2 $GPT2 $S1 --reps 10 --rounds 2 \
     --methods $METHODS
 stage randn 60 $PY -c "import time, torch; d='$DEV'; x=torch.randn(int($DIM), device=d); ts=[]
@@ -57,6 +58,11 @@ stage step_s512 150 $PY benchmarks/bench_hf_step.py --device $DEV --models gpt2 
     --methods $METHODS
 if [ -n "${DRY:-}" ]; then BERT="--width 64 --layers 2 --vocab 500"; else BERT="--width 768 --layers 12 --vocab 30522"; fi
 stage bert 120 $PY benchmarks/bench_hf_step.py --device $DEV --models bert $BERT --bert-ffn 4 $S1 --reps 10 --rounds 2 \
+    --methods plain,private,lora_plain,lora_private
+# a Llama-style decoder (the family most fine-tuning uses), 12 layers of width 2048, its MLP 3x, half as many
+# key/value heads, a 32000-word untied head: 0.7B parameters in float32
+if [ -n "${DRY:-}" ]; then LLAMA="--width 64 --layers 2 --vocab 500"; else LLAMA="--width 2048 --layers 12 --vocab 32000"; fi
+stage llama 240 $PY benchmarks/bench_hf_step.py --device $DEV --models llama $LLAMA $S1 --reps 6 --rounds 2 \
     --methods plain,private,lora_plain,lora_private
 # the same BERT step without the Triton noise kernel, and on an older engine given as OLD_SRC (a
 # `git archive <commit> src` unpacked there): the before/after of a change in one session

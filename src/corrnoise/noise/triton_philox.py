@@ -2,10 +2,10 @@
 
 Why: the torch path (:func:`corrnoise.noise.seeds._torch_normals_eager`) writes Philox4x32-10
 with int64 torch ops, each 32-bit product from 16-bit halves because torch has no unsigned 32-bit
-multiply; even compiled into one kernel that cost 8.8 ms per row of 1.24e8 coordinates on an H200,
-28x torch's own ``normal_`` (benchmarks/RESULTS.md). Triton has 32-bit unsigned products and
-their high halves (``umulhi``), so a Philox round is the four products and four XORs of its
-definition (Salmon et al., SC 2011; Random123 philox.h).
+multiply; even compiled into one kernel that cost 8.8-10 ms per row of 1.24e8 coordinates on an
+H200, ~30x torch's own ``normal_``. Triton has 32-bit unsigned products and their high halves
+(``umulhi``), so a Philox round is the four products and four XORs of its definition (Salmon et
+al., SC 2011; Random123 philox.h). This kernel: 1.0 ms for that row (benchmarks/RESULTS.md).
 
 What it computes is the torch path's Z, the same definition word for word (module docstring of
 :mod:`corrnoise.noise.seeds`, :func:`~corrnoise.noise.seeds.torch_coordinate_source`): coordinate
