@@ -121,6 +121,29 @@ def test_privatizer_noise_is_generator_noise_scaled(name):
         priv.privatize(sums)  # the mechanism has n rows
 
 
+@pytest.mark.parametrize("noise_dtype", [torch.float64, torch.float32])
+def test_privatize_sum_into_the_noise_equals_the_new_tensors(noise_dtype):
+    """overwrite_noise writes (S + zeta z) / B into the noise tensors themselves (as (zeta / B) z +
+    S / B: the same to rounding); a noise row of another dtype is converted first and the caller's
+    row left as it was."""
+    from corrnoise.torch import privatize_sum
+
+    g = torch.Generator().manual_seed(3)
+    sums = [torch.randn(s, generator=g, dtype=torch.float64) for s in [(3, 4), (7,)]]
+    noise = [torch.randn(s.shape, generator=g, dtype=noise_dtype) for s in sums]
+    kept = [z.clone() for z in noise]
+    want = [(s + 0.7 * z.double()) / 12.5 for s, z in zip(sums, kept)]
+    fresh = privatize_sum(sums, noise, 0.7, 12.5)
+    assert all(torch.equal(z, k) for z, k in zip(noise, kept))  # the allocating form leaves its inputs
+    got = privatize_sum(sums, noise, 0.7, 12.5, overwrite_noise=True)
+    for a, b, w in zip(got, fresh, want):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b, w, rtol=1e-12, atol=1e-12)
+    same = noise_dtype == torch.float64
+    assert all((a is z) == same for a, z in zip(got, noise))
+    assert all(torch.equal(z, k) != same for z, k in zip(noise, kept))
+
+
 def test_privatizer_state_dict_resumes_the_same_noise():
     strategy = parse_strategy("bsr:3", 8)
     params = [torch.zeros(5)]
