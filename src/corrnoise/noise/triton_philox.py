@@ -24,6 +24,9 @@ the compiled torch kernel runs as before. ``CORRNOISE_NO_TRITON=1`` turns it off
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
 
@@ -106,5 +109,7 @@ def fill_normals(out, start: int, t: int, chunk: int, m: int, key, coef: float, 
     n_slots = (last - first + 1) * ((chunk + 1) // 2)
     k0, k1, s0, s1 = key
     grid = (triton.cdiv(n_slots, BLOCK),)
-    _pairs_kernel[grid](out, start, stop, first, n_slots, t, chunk, m, k0, k1, s0, s1, float(coef),
-                        ACCUMULATE=bool(accumulate), BLOCK_SIZE=BLOCK)
+    # Triton launches on the current device, which need not be the row's (cuda:1 under cuda:0)
+    with torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext():
+        _pairs_kernel[grid](out, start, stop, first, n_slots, t, chunk, m, k0, k1, s0, s1, float(coef),
+                            ACCUMULATE=bool(accumulate), BLOCK_SIZE=BLOCK)
