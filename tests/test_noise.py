@@ -113,6 +113,22 @@ def test_generator_equals_materialized(strategy, method, dtype):
 
 @pytest.mark.parametrize("strategy", ALL, ids=[s.label for s in ALL])
 @pytest.mark.parametrize("method", METHODS)
+def test_a_returned_row_is_the_callers(strategy, method):
+    """The privatizer writes each step's update into the row the generator returned (issue #27):
+    overwriting every returned row must leave the later rows as they were, for every kind (a
+    generator that returned one of its own buffers would feed the overwrite into its recurrence).
+    Same code, same process: compared exactly."""
+    kw = dict(noise_std=NU, seed=SEED, dtype=torch.float64, chunk_size=CHUNK, method=method)
+    kept, spoiled = make_generator(strategy, M, **kw), make_generator(strategy, M, **kw)
+    for t in range(N):
+        want = kept.next()
+        row = spoiled.next()
+        assert torch.equal(row, want), f"row {t}"
+        row.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("strategy", ALL, ids=[s.label for s in ALL])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_stream_tolerance_catches_a_changed_stream(strategy, method, dtype):
     """The tolerance cannot pass vacuously: the generated rows are outside it for another seed,
