@@ -262,20 +262,31 @@ def _compile_failed(device_type: str, why: str) -> None:
                   "(CORRNOISE_NO_COMPILE=1 silences this)", RuntimeWarning, stacklevel=user_stacklevel())
 
 
-def _check_compiled(fn, device, f64: bool, dtype) -> bool:
-    """Run the compiled kernel once on a probe that spans cosine and sine halves of several
-    blocks (m = 4096, chunk = 64) and compare it with the eager ops; say why not if it differs."""
-    pos = torch.arange(4096, dtype=torch.int64, device=device)
-    key = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
-    scalars = torch.tensor([5, 64, 4096, *key], dtype=torch.int64, device=device)
-    got = fn(pos, scalars[0], (scalars[1], scalars[2]), tuple(scalars[3:]), f64, dtype)
-    want = _torch_normals_eager(pos, 5, (64, 4096), key, f64, dtype)
+#: the probe a kernel must match the eager ops on before it is used: a row of m = 4096 in blocks
+#: of 64 (cosine and sine halves of several blocks), a fixed key
+_PROBE_M, _PROBE_CHUNK = 4096, 64
+_PROBE_KEY = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+
+
+def _probe_mismatch(got: torch.Tensor, want: torch.Tensor, f64: bool) -> str | None:
+    """Why a kernel's probe output is refused (it differs from the eager ops beyond
+    :data:`_COMPILED_TOL`), or None."""
     tol = _COMPILED_TOL[f64]
-    if not torch.allclose(got, want, rtol=tol, atol=tol):
-        worst = float((got - want).abs().max())
-        _compile_failed(device.type, f"it differs from the eager ops by {worst:.2e} on a probe")
-        return False
-    return True
+    if torch.allclose(got, want, rtol=tol, atol=tol):
+        return None
+    return f"it differs from the eager ops by {float((got - want).abs().max()):.2e} on a probe"
+
+
+def _check_compiled(fn, device, f64: bool, dtype) -> bool:
+    """Run the compiled kernel once on the probe and compare it with the eager ops; say why not
+    if it differs."""
+    pos = torch.arange(_PROBE_M, dtype=torch.int64, device=device)
+    scalars = torch.tensor([5, _PROBE_CHUNK, _PROBE_M, *_PROBE_KEY], dtype=torch.int64, device=device)
+    got = fn(pos, scalars[0], (scalars[1], scalars[2]), tuple(scalars[3:]), f64, dtype)
+    why = _probe_mismatch(got, _torch_normals_eager(pos, 5, (_PROBE_CHUNK, _PROBE_M), _PROBE_KEY, f64, dtype), f64)
+    if why:
+        _compile_failed(device.type, why)
+    return why is None
 
 
 def _torch_normals(pos, t, m_chunk, key, f64, dtype):
@@ -339,20 +350,18 @@ def _triton_failed(device_type: str, why: str) -> None:
 
 
 def _check_triton(fill, device) -> bool:
-    """The Triton kernel against the eager ops on a probe spanning cosine and sine halves of
-    several blocks (m = 4096, chunk = 64), a fill and an accumulation; say why not if it differs."""
-    pos = torch.arange(4096, dtype=torch.int64, device=device)
-    key = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
-    got = torch.empty(4096, dtype=torch.float32, device=device)
-    fill(got, 0, 5, 64, 4096, key, 0.75, False)
-    fill(got, 0, 6, 64, 4096, key, -0.5, True)
-    want = (0.75 * _torch_normals_eager(pos, 5, (64, 4096), key, False, torch.float32)
-            - 0.5 * _torch_normals_eager(pos, 6, (64, 4096), key, False, torch.float32))
-    tol = _COMPILED_TOL[False]
-    if not torch.allclose(got, want, rtol=tol, atol=tol):
-        _triton_failed(device.type, f"it differs from the eager ops by {float((got - want).abs().max()):.2e} on a probe")
-        return False
-    return True
+    """The Triton kernel against the eager ops on the probe, a fill and an accumulation; say why
+    not if it differs."""
+    pos = torch.arange(_PROBE_M, dtype=torch.int64, device=device)
+    got = torch.empty(_PROBE_M, dtype=torch.float32, device=device)
+    fill(got, 0, 5, _PROBE_CHUNK, _PROBE_M, _PROBE_KEY, 0.75, False)
+    fill(got, 0, 6, _PROBE_CHUNK, _PROBE_M, _PROBE_KEY, -0.5, True)
+    want = sum(c * _torch_normals_eager(pos, t, (_PROBE_CHUNK, _PROBE_M), _PROBE_KEY, False, torch.float32)
+               for t, c in [(5, 0.75), (6, -0.5)])
+    why = _probe_mismatch(got, want, False)
+    if why:
+        _triton_failed(device.type, why)
+    return why is None
 
 
 def _triton_fill(out: torch.Tensor):
