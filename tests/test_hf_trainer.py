@@ -822,6 +822,25 @@ def test_trl_dpo_every_per_pair_loss_averages_to_trls(tmp_path, setting):
     assert float(moved) > 1e-3, float(moved)
 
 
+@pytest.mark.parametrize("setting,args", [
+    ("loss_type", {"loss_type": ["sigmoid", "aot_unpaired"]}),
+    ("loss_weights", {"loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0]}),
+    ("f_divergence_type", {"f_divergence_type": "chi2"}),
+])
+def test_dpo_pair_losses_named_bad_settings_in_one_line(setting, args):
+    """Called directly (trl's config checks nothing here), a bad setting is one line naming it."""
+    import types
+
+    pytest.importorskip("trl")
+    from corrnoise.integrations.trl import dpo_pair_losses
+
+    config = types.SimpleNamespace(beta=0.1, **args)
+    logps = torch.zeros(2, 2)
+    with pytest.raises(CorrnoiseError) as err:
+        dpo_pair_losses(logps, logps, torch.ones(2, 2), config)
+    _one_line(err, setting)
+
+
 @pytest.mark.parametrize("setting,value", [("loss_type", ["aot"]), ("loss_type", ["sigmoid", "sft"]),
                                            ("use_weighting", True), ("ld_alpha", 0.5),
                                            ("label_smoothing", 0.1)])

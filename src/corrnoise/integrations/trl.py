@@ -173,6 +173,10 @@ class PairTerms:
         return self.scores[:, 0] - self.scores[:, 1]
 
 
+#: trl's f-divergences (f_divergence_type)
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+
 def f_divergence_scores(ratios: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:
     """f-DPO's scores f'(pi / pi_ref) of log-ratios r (Wang et al. 2023, "Beyond Reverse KL", Thm. 1):
     reverse KL r; forward KL 1 - e^-r; Jensen-Shannon log 2 + log sigmoid(r); alpha-divergence
@@ -187,8 +191,7 @@ def f_divergence_scores(ratios: torch.Tensor, divergence: str, alpha: float = 0.
         if abs(alpha - 1.0) < 1e-6:
             return ratios
         return (torch.exp(torch.clamp((alpha - 1.0) * ratios, max=80.0)) - 1.0) / (alpha - 1.0)
-    raise CorrnoiseError("f_divergence_type", f"is {divergence!r}: not one of reverse_kl, forward_kl, js_divergence, "
-                         "alpha_divergence")
+    raise CorrnoiseError("f_divergence_type", f"is {divergence!r}: not one of {', '.join(F_DIVERGENCES)}")
 
 
 def _sigmoid(p: PairTerms) -> torch.Tensor:
@@ -284,11 +287,9 @@ def dpo_pair_losses(logps: torch.Tensor, reference: torch.Tensor, lengths: torch
                                  getattr(args, "f_alpha_divergence_coef", 0.5))
     terms = PairTerms(ratios, scores, lengths.to(logps.dtype).clamp(min=1.0), float(args.beta),
                       float(getattr(args, "label_smoothing", 0.0)), float(getattr(args, "discopop_tau", 0.05)))
-    types = _loss_types(args)
-    weights = getattr(args, "loss_weights", None) or [1.0] * len(types)
     total = None
-    for name, weight in zip(types, weights, strict=True):
-        loss = weight * PAIR_LOSSES[name](terms)
+    for fn, weight in _pair_losses(args):
+        loss = weight * fn(terms)
         total = loss if total is None else total + loss
     return total
 
@@ -298,17 +299,29 @@ def _loss_types(args) -> list[str]:
     return [loss_type] if isinstance(loss_type, str) else list(loss_type)
 
 
+def _pair_losses(args) -> list[tuple]:
+    """(per-pair loss function, weight) for each of trl's ``loss_type`` with its ``loss_weights``
+    (default all 1); one line naming the setting where a type is no loss of one pair alone or
+    the weights do not match the types."""
+    types = _loss_types(args)
+    other = [t for t in types if t not in PAIR_LOSSES]
+    if other:
+        raise CorrnoiseError("loss_type", f"includes {other}: not a loss of one pair alone (aot sorts the batch's "
+                             f"margins, sft averages its tokens); per-pair types: {sorted(PAIR_LOSSES)}")
+    weights = getattr(args, "loss_weights", None) or [1.0] * len(types)
+    if len(weights) != len(types):
+        raise CorrnoiseError("loss_weights", f"has {len(weights)} weights for {len(types)} loss types")
+    return [(PAIR_LOSSES[t], float(w)) for t, w in zip(types, weights)]
+
+
 def _refuse_dpo_settings(args, router_loss: bool = False) -> None:
     """One line naming the first DPO setting that has no per-pair loss here, or that mixes or moves
     what the clipping engine reads."""
+    _pair_losses(args)
     loss_type = _loss_types(args)
-    other = [t for t in loss_type if t not in PAIR_LOSSES]
     divergence = getattr(args, "f_divergence_type", "reverse_kl") or "reverse_kl"
     refusals = [
-        ("loss_type", bool(other), f"includes {other}: not a loss of one pair alone (aot sorts the batch's margins, "
-         f"sft averages its tokens); per-pair types: {sorted(PAIR_LOSSES)}"),
-        ("f_divergence_type", divergence not in ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"),
-         f"is {divergence!r}: not one trl defines"),
+        ("f_divergence_type", divergence not in F_DIVERGENCES, f"is {divergence!r}: not one of {', '.join(F_DIVERGENCES)}"),
         ("f_divergence_type", divergence != "reverse_kl" and not set(loss_type) <= F_DIVERGENCE_LOSSES,
          f"is {divergence!r}, defined only for loss types {sorted(F_DIVERGENCE_LOSSES)}"),
         ("label_smoothing", "exo_pair" in loss_type and not 0 < getattr(args, "label_smoothing", 0.0) < 1,
