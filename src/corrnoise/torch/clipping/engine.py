@@ -992,7 +992,7 @@ class ClippingEngine:
                 unclipped = full.sum(dim=0) if check and all_finite else None
             else:
                 s, unclipped = torch.zeros(p.shape, dtype=out_dtype, device=dev), None
-            sums.append(s if s.dtype == out_dtype else s.to(out_dtype))
+            sums.append(as_dtype(s, out_dtype))
             if unclipped is not None and i in self._autograd:
                 ref = self._autograd[i].to(unclipped.dtype)
                 if float((unclipped - ref).norm()) > 1e-2 * float(ref.norm()) + 1e-6 * max(1.0, float(unclipped.norm())):
