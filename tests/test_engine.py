@@ -1077,6 +1077,89 @@ def test_one_hot_only_needs_a_one_hot_side_in_every_use():
     assert not one_hot_only([(table, dense), (dense, dense)]) and not one_hot_only([(dense, dense)])
 
 
+def test_one_hot_side_is_the_side_of_every_use():
+    from corrnoise.torch.clipping.formulas import OneHot, one_hot_side
+
+    dense = torch.zeros(2, 1, 3, 4)
+    table = OneHot(torch.zeros(2, 1, 3, dtype=torch.long), 5)
+    assert one_hot_side([(table, dense)]) == 0 and one_hot_side([(table, dense), (table, dense)]) == 0
+    assert one_hot_side([(dense, table)]) == 1
+    for mixed in ([(table, dense), (dense, table)], [(table, dense), (dense, dense)], [(dense, dense)]):
+        assert one_hot_side(mixed) is None
+
+
+def _tables(factors, side: int) -> torch.Tensor:
+    """Each example's table gradient (B, G, V, Q) (its transpose for a one-hot column side), summed
+    over the uses one row at a time: the definition, no formula of the engine's."""
+    oh0, d0 = factors[0] if side == 0 else factors[0][::-1]
+    b, g, q = d0.shape[0], d0.shape[1], d0.shape[-1]
+    out = torch.zeros(b, g, oh0.size, q, dtype=torch.float64)
+    for use in factors:
+        oh, d = use if side == 0 else use[::-1]
+        for i in range(b):
+            for k in range(g):
+                for t in range(oh.idx.shape[2]):
+                    out[i, k, int(oh.idx[i, k, t])] += d[i, k, t].double()
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 5), g=st.sampled_from([1, 2]), ts=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+       v=st.integers(1, 7), q=st.integers(1, 4), side=st.sampled_from([0, 1]), shared=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_one_hot_norm_is_the_norm_of_each_examples_table(b, g, ts, v, q, side, shared, seed):
+    """one_hot_norm_sq (rows summed by token) equals the norm of each example's table built row by
+    row, for one or several uses (a layer called twice), blocks, either one-hot side, repeated and
+    batch-shared (stride-0, expanded position ids) indices; and it is what ghost_norm_sq returns."""
+    from corrnoise.torch.clipping.formulas import OneHot, ghost_norm_sq, one_hot_norm_sq
+
+    gen = torch.Generator().manual_seed(seed)
+    factors = []
+    for t in ts:
+        idx = torch.randint(0, v, (1 if shared else b, g, t), generator=gen).expand(b, g, t)
+        d = torch.randn(b, g, t, q, generator=gen, dtype=torch.float64)
+        factors.append((OneHot(idx, v), d) if side == 0 else (d, OneHot(idx, v)))
+    want = _tables(factors, side).reshape(b, -1).square().sum(1)
+    for got in (one_hot_norm_sq(factors), ghost_norm_sq(factors)):
+        assert got.shape == (b,)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_one_hot_norm_keeps_a_nan_in_its_example():
+    """A non-finite row reaches its own example's norm only (the engine then drops that example)."""
+    from corrnoise.torch.clipping.formulas import OneHot, one_hot_norm_sq
+
+    idx = torch.tensor([[[0, 1, 0]], [[0, 1, 0]], [[2, 2, 2]]])
+    d = torch.randn(3, 1, 3, 2)
+    d[1, 0, 2, 1] = float("nan")
+    got = one_hot_norm_sq([(OneHot(idx, 3), d)])
+    assert torch.isnan(got[1]) and torch.isfinite(got[[0, 2]]).all()
+    torch.testing.assert_close(got[[0, 2]], _tables([(OneHot(idx, 3), d)], 0)[[0, 2]].reshape(2, -1).square().sum(1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 5), g=st.sampled_from([1, 2]), t=st.integers(1, 6), v=st.integers(1, 7),
+       q=st.integers(1, 4), side=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))
+def test_bookkeeping_of_batch_shared_indices_is_the_weighted_sum_of_tables(b, g, t, v, q, side, seed):
+    """The book-keeping sum for indices shared by the batch (an expanded (1, T) row: the weighted
+    sum over examples first, then T rows into the table) equals sum_i w_i G_i of the tables built
+    row by row, and the per-example path on the same indices copied out of the expansion."""
+    from corrnoise.torch.clipping.formulas import OneHot, bookkeeping_sum
+
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, v, (1, g, t), generator=gen).expand(b, g, t)
+    d = torch.randn(b, g, t, q, generator=gen, dtype=torch.float64)
+    w = torch.rand(b, generator=gen, dtype=torch.float64)
+    shape = (g * v, q) if side == 0 else (g, q, v)
+    def pair(oh):
+        return (oh, d) if side == 0 else (d, oh)
+    want = torch.einsum("i,igvq->gvq", w, _tables([pair(OneHot(idx, v))], side))
+    want = want.reshape(g * v, q) if side == 0 else want.transpose(-1, -2)
+    torch.testing.assert_close(bookkeeping_sum([pair(OneHot(idx, v))], w, shape), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bookkeeping_sum([pair(OneHot(idx.contiguous(), v))], w, shape), want,
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("p,q", [(3, 7), (7, 3), (5, 5)])
 def test_per_example_products_either_layout(p, q):
     """u_i^T v_i per example against a loop of plain products, in both of its layouts (P > Q comes

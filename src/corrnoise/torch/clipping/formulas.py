@@ -33,7 +33,9 @@ __all__ = [
     "GHOST_RATIO",
     "use_ghost",
     "one_hot_only",
+    "one_hot_side",
     "gram",
+    "one_hot_norm_sq",
     "ghost_norm_sq",
     "shared_input_products",
     "bookkeeping_sum",
@@ -90,16 +92,17 @@ def use_ghost(total_t: int, p: int, q: int, one_hot: bool = False) -> bool:
     gradients would exceed its memory budget (:meth:`.engine.ClippingEngine.clipped_sum`).
 
     ``one_hot`` (every use of the parameter has a one-hot side, :func:`one_hot_only`: an Embedding,
-    P or Q = vocabulary size): the one-hot Gram matrix and the book-keeping are gathers /
-    ``index_add``, so the multiply-add count says nothing; the ghost norm is kept iff 2 T^2 < P Q
-    (the two Gram matrices smaller than one materialized table; measured on GPT-2's 500 x 128
-    table, T = 64: ghost 0.8-1.7 ms, materialized 3 ms). A table with a dense use as well (tied
-    to an LM head) pays that use's dense Gram matrices and book-keeping product, so it follows
-    the dense rule. T is the total number of rows over every use of the parameter (a layer
-    called twice, tied weights), since all uses enter one Gram matrix.
+    P or Q = vocabulary size): always the norm without the table. With every use's one-hot on the
+    same side it is :func:`one_hot_norm_sq`, each example's rows summed by token: one pass over the
+    B T dense rows, as the ``index_add`` that materializing starts with, before materializing's
+    B V Q tables are zeroed, normed and summed (one-hot sides that differ between uses, a square
+    table looked up both ways, take the Gram matrices of :func:`ghost_norm_sq`). A table with a
+    dense use as well (tied to an LM head) pays that use's dense Gram matrices and book-keeping
+    product, so it follows the dense rule. T is the total number of rows over every use of the
+    parameter (a layer called twice, tied weights), since all uses enter one norm.
     """
     if one_hot:
-        return 2 * total_t * total_t < p * q
+        return True
     return total_t * total_t * (p + q) <= GHOST_RATIO * p * q
 
 
@@ -108,6 +111,14 @@ def one_hot_only(factors: list[tuple[object, torch.Tensor]]) -> bool:
     :func:`use_ghost` applies; a parameter with a dense use too (GPT-2's table tied to its LM head)
     takes the dense rule, since that use's T^2 (P + Q) Gram matrices dominate its ghost norm."""
     return all(isinstance(u, OneHot) or isinstance(v, OneHot) for u, v in factors)
+
+
+def one_hot_side(factors: list[tuple[object, torch.Tensor]]) -> int | None:
+    """0 if every use of a parameter has its :class:`OneHot` on the row side (an Embedding's table),
+    1 if every use has it on the column side (a table stored transposed, peft's ``lora_embedding_A``),
+    None otherwise (a dense use, or one-hot sides that differ between uses)."""
+    sides = {0 if isinstance(u, OneHot) else 1 if isinstance(v, OneHot) else None for u, v in factors}
+    return sides.pop() if len(sides) == 1 else None
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -150,6 +161,8 @@ def ghost_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     and a one-hot group meet in the cross term counted twice. Clamped at 0 against rounding
     (a NaN stays NaN).
     """
+    if one_hot_side(factors) is not None:
+        return one_hot_norm_sq(factors)
     groups: dict[tuple[bool, bool], list] = {}
     for u, v in factors:
         groups.setdefault((isinstance(u, OneHot), isinstance(v, OneHot)), []).append((u, v))
@@ -168,6 +181,36 @@ def ghost_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     return total.clamp(min=0.0)
 
 
+def one_hot_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
+    """Per-example ||G_i||_F^2, (B,), of a table whose every use has its :class:`OneHot` on the same
+    side (:func:`one_hot_side`), without a T x T Gram matrix.
+
+    Row w of G_i in block g (a column, for a one-hot column side) is s_{i,g,w}, the sum of the dense
+    rows d_{i,g,t} of every use at the positions t with token w, so ||G_i||^2 = sum_{g,w}
+    ||s_{i,g,w}||^2: the ghost norm sum_{t,t'} [w_t = w_t'] (d_t . d_t') of :func:`ghost_norm_sq`
+    with its sums taken in the other order, O(B T Q) instead of O(B T^2 Q). The rows are grouped by
+    sorting their keys (example, block, token), with no size read back to the host (no GPU sync):
+    segment k of the sorted keys is row k of a buffer of all the rows (the unused ones stay zero).
+    A sum of squares, so no clamp; a NaN row reaches only its own example's norm.
+    """
+    side = one_hot_side(factors)
+    pairs = [(u, v) if side == 0 else (v, u) for u, v in factors]  # (one-hot, dense) per use
+    d0 = pairs[0][1]
+    b, g, q, size = d0.shape[0], d0.shape[1], d0.shape[-1], pairs[0][0].size
+    offsets = torch.arange(b * g, device=d0.device).view(b, g, 1) * size
+    keys = torch.cat([(oh.idx + offsets).reshape(-1) for oh, _ in pairs])
+    rows = torch.cat([d.reshape(-1, q) for _, d in pairs]) if len(pairs) > 1 else d0.reshape(-1, q)
+    ordered, perm = keys.sort()
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    segment = starts.cumsum(0) - 1  # the segment of each sorted key
+    where = torch.empty_like(segment).scatter_(0, perm, segment)  # the segment of each row
+    sums = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device).index_add_(0, where, rows)
+    example = torch.zeros_like(segment).scatter_(0, segment, ordered // (g * size))
+    sq = torch.linalg.vector_norm(sums, dim=1).square()
+    return torch.zeros(b, dtype=rows.dtype, device=rows.device).index_add_(0, example, sq)
+
+
 def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.Tensor, shape) -> torch.Tensor:
     """sum_i w_i sum_k G_i^(k), reshaped to the parameter's ``shape`` (Bu et al. 2023, book-keeping).
 
@@ -182,9 +225,16 @@ def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.T
             out = s.reshape(shape) if out is None else out + s.reshape(shape)
             continue
         b, g, t, q = v.shape
-        if isinstance(u, OneHot) or g != 1 or u.shape[-1] >= q:
+        shared = isinstance(u, OneHot) and b > 1 and u.idx.stride(0) == 0
+        if (isinstance(u, OneHot) and not shared) or g != 1 or u.shape[-1] >= q:
             wv = v * as_dtype(weights, v.dtype).view(b, 1, 1, 1)
-        if isinstance(u, OneHot):
+        if shared:
+            # indices shared by the batch (expanded position ids): sum_i w_i v_i first, then its
+            # G T rows into the table (the B G T rows would all be added into the same few)
+            rows = (u.idx[0] + torch.arange(g, device=v.device).view(g, 1) * u.size).reshape(-1)
+            s = torch.zeros(g * u.size, q, dtype=v.dtype, device=v.device)
+            s.index_add_(0, rows, torch.mv(v.reshape(b, -1).t(), as_dtype(weights, v.dtype)).view(-1, q))
+        elif isinstance(u, OneHot):
             rows = (u.idx + torch.arange(g, device=v.device).view(1, g, 1) * u.size).reshape(-1)
             s = torch.zeros(g * u.size, q, dtype=v.dtype, device=v.device)
             s.index_add_(0, rows, wv.reshape(-1, q))
