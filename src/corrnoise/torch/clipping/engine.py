@@ -41,7 +41,9 @@ contribution to the *same* per-example gradient, so the norm is that of the summ
 cross terms included. Factored uses are stacked along T into one ghost norm (token equality /
 gather for the one-hot side), so a tied Embedding + Linear head is exact without forming
 V x d per example; a parameter with a dense use as well (or blocks that do not line up) is
-materialized for that parameter alone.
+materialized for that parameter alone. A table whose uses are all lookups (an Embedding, one
+or called twice) gets its norm from each example's rows summed by token
+(:func:`.formulas.one_hot_norm_sq`), without T x T Gram matrices.
 
 Safety checks. A parameter that receives a gradient in backward but was captured in no hooked
 call (it was used outside its owner's forward) is refused; on the first ``clipped_sum`` (and
