@@ -226,7 +226,7 @@ def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.T
             continue
         b, g, t, q = v.shape
         shared = isinstance(u, OneHot) and b > 1 and u.idx.stride(0) == 0
-        if (isinstance(u, OneHot) and not shared) or g != 1 or u.shape[-1] >= q:
+        if not shared and (isinstance(u, OneHot) or g != 1 or u.shape[-1] >= q):
             wv = v * as_dtype(weights, v.dtype).view(b, 1, 1, 1)
         if shared:
             # indices shared by the batch (expanded position ids): sum_i w_i v_i first, then its
