@@ -486,33 +486,157 @@ def test_vision_models_are_exact_and_swin_windows_are_verified_as_the_batch_flat
     assert bool(report.flattened) == (kind == "swin")
 
 
-def test_a_mixture_of_experts_is_refused_naming_every_routed_parameter_and_trains_once_they_are_frozen():
-    """Mixtral's router and experts see the batch's tokens as one pool of rows, routed across
-    examples: one line names all their parameters and the way out; with them frozen the rest
-    agrees with each example alone (float32: transformers' grouped expert product has no float64)
-    and LoRA on attention needs nothing frozen."""
+def _moe(kind, implementation=None):
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                                     num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=V,
-                                     max_position_embeddings=16, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    model = transformers.MixtralForCausalLM(cfg)
-    routed = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
-              "model.layers.0.mlp.experts.down_proj"]
+    common = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                  num_experts_per_tok=2, vocab_size=V, max_position_embeddings=16, pad_token_id=0, bos_token_id=0,
+                  eos_token_id=0)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=48, num_local_experts=4,
+                                                                           **common))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16, norm_topk_prob=True, **common))
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_trains_once_the_first_batch_is_checked_and_is_exact(kind):
+    """transformers' MoE blocks call their top-k router and their experts on the batch's tokens as
+    one pool of (B*T, d) rows. Before the check, the engine refuses in one line naming it; the
+    check verifies that each example's rows are its own (each token is routed and computed alone),
+    and then the norms and the clipped sum equal those of each example alone. float64 with the
+    eager experts (transformers' grouped product has no float64); the models' RMSNorms compute in
+    float32 whatever the model's dtype, so a batched and a single example's forward differ by
+    float32 roundings there (~1e-8 relative measured): 1e-6, where a row given to another example
+    is off by O(1)."""
+    model = _moe(kind, "eager").double()
+    losses, batch = _lm_losses(model), _padded()
+    routed = ["model.layers.0.mlp.experts", "model.layers.0.mlp.gate"]
     engine = ClippingEngine(model, "mean", 1.0)
-    with pytest.raises(CorrnoiseError) as err:
-        check_attribution(engine, _lm_losses(model), _padded())
+    losses(batch).mean().backward()
+    with pytest.raises(CorrnoiseError, match="check_attribution") as err:
+        engine.clipped_sum(5)
     _one_line(err, "module")
-    assert f"freeze {', '.join(routed)} (requires_grad_(False))" in str(err.value)
+    engine.clear()
+    model.zero_grad()
+    report = check_attribution(engine, losses, batch, examples=5)
+    assert sorted(report.flattened) == routed and report.worst < 1e-2
+    with engine.paused():
+        per = []
+        for i in range(5):
+            one = {k: v[i:i + 1] for k, v in batch.items()}
+            per.append(torch.autograd.grad(losses(one).sum(), list(model.parameters())))
+    ref_norms = torch.stack([torch.sqrt(sum(t.square().sum() for t in g)) for g in per])
+    clip = float(ref_norms.median())
+    engine.max_grad_norm = clip
+    for _ in range(2):  # the first clipped sum is checked against autograd's gradient, the second is not
+        losses(batch).mean().backward()
+        sums, norms = engine.clipped_sum(5)
+        engine.clear()
+        model.zero_grad()
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)  # of each example's own loss
+        factors = torch.clamp(clip / ref_norms, max=1.0)
+        for k, s_k in enumerate(sums):  # sum_i c_i g_i (the privatizer divides by the batch size)
+            ref = sum(f * g[k] for f, g in zip(factors, per))
+            torch.testing.assert_close(s_k, ref, rtol=0, atol=1e-6 * max(1e-12, float(ref.abs().max())))
     engine.detach()
-    for name in routed:
-        model.get_parameter(name).requires_grad_(False)
-    engine = ClippingEngine(model, "mean", 1.0, parameters=[p for p in model.parameters() if p.requires_grad])
-    assert check_attribution(engine, _lm_losses(model), _padded(), examples=5).worst < 0.1
-    engine.detach()
-    lora = peft.get_peft_model(transformers.MixtralForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj",
-                                                                                                         "v_proj"]))
+
+
+def test_a_mixture_of_experts_trains_with_make_private_in_float32_with_transformers_default_experts():
+    """The same in float32 with the experts' default (grouped) product, as users run it: the first
+    step is refused without the check, and with it the run trains; LoRA on attention needs nothing."""
+    model = _moe("mixtral")
+    losses, batch = _lm_losses(model), _padded()
+    data = [{k: v[i] for k, v in batch.items()} for i in range(len(LENGTHS))] * 4
+    loader = DataLoader(data, batch_size=5)
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                                      noise_multiplier=1.0, delta=1e-5, steps=2, max_grad_norm=1.0,
+                                      mechanism="bsr:2", batching="cyclic", noise_seed=0, seed=0)
+    losses(next(iter(loader))).mean().backward()
+    with pytest.raises(CorrnoiseError, match="check_attribution") as err:
+        opt.step()
+    _one_line(err, "module")
+    opt.zero_grad()
+    for b in loader:
+        if opt.steps_taken == 0:
+            report = opt.check_attribution(losses, b)
+            assert sorted(report.flattened) == ["model.layers.0.mlp.experts", "model.layers.0.mlp.gate"]
+            assert report.worst < 0.1
+        losses(b).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.steps_taken == 2
+    lora = peft.get_peft_model(_moe("mixtral"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     engine = ClippingEngine(lora, "mean", 1.0, parameters=[p for p in lora.parameters() if p.requires_grad])
     assert check_attribution(engine, _lm_losses(lora), _padded()).worst < 0.1
+
+
+def test_a_router_loss_over_the_batch_is_refused_in_one_line():
+    """transformers' load-balancing loss (output_router_logits=True) is a function of the whole
+    batch's routing: with it in the loss, the router's logits carry a gradient and the step is
+    refused, in the check as in clipped_sum; without it in the loss, the same model is accepted."""
+    model = _moe("mixtral")
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.01
+    batch = _padded()
+
+    def with_aux(b):
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        logits = out.logits[:, :-1]
+        tokens = F.cross_entropy(logits.transpose(1, 2), b["input_ids"][:, 1:], reduction="none")
+        w = b["attention_mask"][:, 1:].to(tokens.dtype)
+        return (tokens * w).sum(1) / w.sum(1) + model.config.router_aux_loss_coef * out.aux_loss
+
+    engine = ClippingEngine(model, "mean", 1.0)
+    with pytest.raises(CorrnoiseError, match="aux_loss") as err:
+        check_attribution(engine, with_aux, batch)
+    _one_line(err, "module")
+    assert check_attribution(engine, _lm_losses(model), batch).worst < 0.1
+    with_aux(batch).mean().backward()
+    with pytest.raises(CorrnoiseError, match="logits reach the loss") as err:
+        engine.clipped_sum(5)
+    _one_line(err, "module")
+    engine.detach()
+
+
+class _CapacityTopKRouter(nn.Module):
+    """A top-k router with an expert capacity (tokens past it dropped by the whole batch's load, as
+    Switch Transformers and NLLB-MoE do): its rows are not each their own."""
+
+    def __init__(self, d=4, experts=3):
+        super().__init__()
+        self.top_k, self.expert_capacity = 1, 2
+        self.weight = nn.Parameter(torch.randn(experts, d))
+
+    def forward(self, x):
+        return F.linear(x.reshape(-1, x.shape[-1]), self.weight).softmax(-1)
+
+
+class _Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.router = nn.Linear(4, 4), _CapacityTopKRouter()
+
+    def forward(self, x):
+        return self.router(self.inp(x).reshape(-1, x.shape[-1])).reshape(x.shape[0], -1).square().sum(1)
+
+
+def test_rows_independent_names_moe_routers_and_experts_but_not_a_router_with_a_capacity():
+    from corrnoise.torch.clipping.layers import rows_independent
+
+    mlp = _moe("mixtral").model.layers[0].mlp
+    assert rows_independent(mlp.gate) and rows_independent(mlp.experts)
+    assert not rows_independent(_CapacityTopKRouter()) and not rows_independent(nn.Linear(2, 2))
+    assert not rows_independent(_moe("mixtral").model.layers[0].self_attn)
+    net = _Routed().double()
+    engine = ClippingEngine(net, "sum", 1.0)
+    net(torch.randn(3, 5, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(CorrnoiseError) as err:
+        engine.clipped_sum(3)
+    _one_line(err, "module")
+    assert "freeze router.weight (requires_grad_(False))" in str(err.value)
 
 
 def _peft_model(kind):

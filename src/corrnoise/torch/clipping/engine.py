@@ -95,10 +95,14 @@ private optimizer detaches its engine after the run's last planned step
 
 Rows of the batch flattened. A layer called with m*B rows in a batch of B examples (OPT's decoder
 layers reshape (B, T, d) to (B*T, d) before their MLP) is read as (B, m, ...), example-major, by
-the rules that take any leading dimensions (:data:`_FLATTENABLE`), but only once
+the rules that take any leading dimensions (:data:`_FLATTENABLE`) and by the fallback for the
+layers whose every output row is a function of its own input row (:func:`.layers.rows_independent`:
+transformers' mixture-of-experts top-k routers and experts, which see the batch's tokens as one
+pool; each example's re-run gets its own rows), but only once
 :func:`.attribution.check_attribution` has verified that layer on a batch of at least 2 (rows in
 another order, or a table of 2B rows called without the batch, fail it), or when the batch has
-one example (every row is its own). Otherwise it is refused in one line naming the check.
+one example (every row is its own). Otherwise it is refused in one line naming the check. A
+router whose logits reach the loss (a load-balancing loss over the batch's routing) is refused.
 
 Outputs shared by the batch. A fallback layer that returns (1, ...) in a forward of B > 1
 examples (BART's decoder position embedding: (1, L, d), added to every example) has the batch's
@@ -142,7 +146,7 @@ from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_no
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
                      fallback_handler, handler_for, layernorm_handler, linear_handler, owned_parameters,
-                     rmsnorm_handler, takes_indices)
+                     rmsnorm_handler, rows_independent, takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -151,8 +155,14 @@ __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 _RESHAPED_OUTPUT_HANDLERS = (linear_handler, conv1d_like_handler)
 
 #: rules that take any leading dimensions, so a call that sees the batch flattened to (B*m, ...) can be
-#: read as (B, m, ...) (ClippingEngine._flattened)
+#: read as (B, m, ...) (ClippingEngine._flattened); the fallback also reads the layers that
+#: :func:`.layers.rows_independent` names (mixture-of-experts routers and experts) so
 _FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, layernorm_handler, rmsnorm_handler)
+
+
+def _reads_flat(m: nn.Module, handler) -> bool:
+    """Whether ``m``'s rule can read a call on the batch flattened as (B, m, ...)."""
+    return handler in _FLATTENABLE or (handler is fallback_handler and rows_independent(m))
 
 #: modules whose forward uses their children's parameters directly (not through the children's
 #: forward): treated as one fallback layer owning the whole subtree.
@@ -626,7 +636,7 @@ class ClippingEngine:
         least 2 (a table of that many rows called without the batch fails it). A layer whose
         gradient is zero on the checked examples (peft's LoRA A while B is zero) passes trivially;
         its rows are those of the layers around it in the same flattened block, which do not."""
-        if handler not in _FLATTENABLE or n < 1 or nb <= n or nb % n:
+        if not _reads_flat(m, handler) or n < 1 or nb <= n or nb % n:
             return False
         if self._layout_probe:
             self._layout_seen[m] = "flattened"
@@ -825,19 +835,20 @@ class ClippingEngine:
             ref = n if n in sizes else b
             m, _, nb, _ = next(u for u in used if u[2] != ref)
             hint = ""
-            if self._owners[m][0] in _FLATTENABLE and ref > 1 and nb > ref and nb % ref == 0:
+            if _reads_flat(m, self._owners[m][0]) and ref > 1 and nb > ref and nb % ref == 0:
                 hint = (f"; if its rows are the batch flattened ({nb // ref} per example, as OPT's decoder layers call "
-                        "their MLP), optimizer.check_attribution on a first batch of at least 2 examples verifies that "
-                        "and lets it through (PrivateTrainer runs it)")
-            elif self._owners[m][0] not in _FLATTENABLE and ref > 1:  # every such layer's, so one freeze is enough
+                        "their MLP and transformers' mixture-of-experts blocks their router and experts), "
+                        "optimizer.check_attribution on a first batch of at least 2 examples verifies that and lets it "
+                        "through (PrivateTrainer runs it)")
+            elif not _reads_flat(m, self._owners[m][0]) and ref > 1:  # every such layer's, so one freeze is enough
                 names = ", ".join(dict.fromkeys(self.names[i] for u, _, size, _ in used if size != ref
-                                                and self._owners[u][0] not in _FLATTENABLE
+                                                and not _reads_flat(u, self._owners[u][0])
                                                 for _, i in self._owners[u][1]))
                 rules = ", ".join(h.__name__.removesuffix("_handler") for h in _FLATTENABLE)
-                hint = (f"; the engine reads rows other than the batch's only through its rules for {rules} layers, "
-                        f"not for {type(m).__name__} (a mixture-of-experts router or experts "
-                        f"routes tokens of all examples together): freeze {names} (requires_grad_(False)) or train "
-                        "adapters (LoRA) on the layers around it")
+                hint = (f"; the engine reads rows other than the batch's only through its rules for {rules} layers "
+                        "and transformers' top-k routers and experts without an expert capacity, "
+                        f"not for {type(m).__name__} (it may mix the tokens of all examples): freeze {names} "
+                        "(requires_grad_(False)) or train adapters (LoRA) on the layers around it")
             raise CorrnoiseError("module", f"'{self._paths[m]}' has batch dimension {nb}, others {ref} (inputs must be "
                                  f"batch-first){hint}")
         self._computing = True
@@ -846,7 +857,10 @@ class ClippingEngine:
                 handler, owned = self._owners[m]
                 args, kwargs, grads = _unflatten(call, rows, n) if rows else (call.args, call.kwargs, call.grads)
                 try:
-                    out = handler(m, args, kwargs, grads, acc)
+                    if rows and handler is fallback_handler:  # each example's re-run gets its own rows
+                        out = fallback_handler(m, args, kwargs, grads, acc, flat=True)
+                    else:
+                        out = handler(m, args, kwargs, grads, acc)
                 except CorrnoiseError as exc:
                     raise CorrnoiseError(exc.param, f"'{self._paths[m]}': {exc.message}") from None
                 for name, i in owned:

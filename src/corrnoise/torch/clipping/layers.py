@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ...errors import CorrnoiseError, first_line
 from .formulas import OneHot, as_dtype
 
-__all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "unfold_conv",
+__all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "rows_independent",
+           "unfold_conv",
            "call_batch_size", "embedding_handler", "expand_shared_indices", "is_peft_lora_embedding",
            "owned_parameters", "peft_lora_embedding_handler", "takes_indices"]
 
@@ -391,7 +392,42 @@ def _rng_untouched(module: nn.Module):
         raise CorrnoiseError("module", f"{type(module).__name__} {_RANDOM_MESSAGE}")
 
 
-def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
+def rows_independent(module: nn.Module) -> bool:
+    """Whether a fallback layer may be read on the batch flattened (B*m rows, example-major), once
+    :func:`.attribution.check_attribution` has verified it: the mixture-of-experts layers of
+    transformers' unified implementation, each of whose output rows is a function of its own
+    input row alone (every token routed and computed by itself):
+
+    * the experts (classes under ``transformers.integrations.moe.use_experts_implementation``,
+      which carry ``has_gate`` and ``is_concatenated``): hidden (N, d) and the router's top-k
+      indices and weights (N, k) in, (N, d) out;
+    * a top-k router (class name ending in "TopKRouter", an int ``top_k``): (N, d) in, per-token
+      logits, weights and indices out.
+
+    A layer with an expert capacity (an attribute named so: Switch Transformers, NLLB-MoE drop
+    the tokens past it by the load of the whole batch, mixing examples) is not.
+    """
+    experts = hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
+    return (experts or _top_k_router(module)) and not any("capacity" in k.lower() for k in vars(module))
+
+
+def _top_k_router(module: nn.Module) -> bool:
+    return type(module).__name__.lower().endswith("topkrouter") and isinstance(getattr(module, "top_k", None), int)
+
+
+def _refuse_router_logits_in_loss(module: nn.Module, grad_outs) -> None:
+    """A top-k router returns (logits, top-k weights, indices); within its block only the weights
+    reach the output. A gradient on the logits means the loss reads them directly: transformers'
+    load-balancing and z-losses (``output_router_logits=True`` with ``router_aux_loss_coef``) are
+    functions of the whole batch's routing, so every example's share would depend on the others."""
+    if _top_k_router(module) and len(grad_outs) > 1 and grad_outs[0] is not None:
+        raise CorrnoiseError("module", f"{type(module).__name__}'s logits reach the loss (a router loss such as "
+                             "transformers' load-balancing aux_loss, output_router_logits=True, is a function of the "
+                             "whole batch's routing): leave it out of the loss (output_router_logits=False, or compute "
+                             "the loss from out.logits)")
+
+
+def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None, flat=False):
     """Any other layer: per-example vjp of the layer alone with torch.func.
 
     Re-runs the layer's forward on each example's captured input (with a batch dimension of 1)
@@ -406,10 +442,17 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
     deterministic: one that draws random numbers (dropout inside it) is refused, since the
     re-run would draw another mask than the forward did. A failure of torch.func is reported
     as a one-line error naming the layer.
+
+    ``flat``: the layer was called on the batch flattened, B*m rows example-major, and the
+    engine passes its tensors viewed as (B, m, ...) (:func:`rows_independent` layers, once
+    verified): each example's re-run gets its own m rows as the layer saw rows, (m, ...), and its
+    outputs are (m, ...) rows of the (B, m, ...) grad outputs.
     """
+    if flat:
+        _refuse_router_logits_in_loss(module, grad_outs)
     try:
         with _plain_rnn_kernels(module), _rng_untouched(module):
-            return _fallback(module, args, kwargs, grad_outs, dtype, names)
+            return _fallback(module, args, kwargs, grad_outs, dtype, names, flat)
     except RuntimeError as exc:
         if "randomness" in str(exc):
             raise CorrnoiseError("module", f"{type(module).__name__} {_RANDOM_MESSAGE}") from None
@@ -418,7 +461,7 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None):
                              "register a rule for it with register_layer") from None
 
 
-def _fallback(module, args, kwargs, grad_outs, dtype, names):
+def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
     if names is None:
         names = [n for n, p in owned_parameters(module) if p.requires_grad]
     params = {n: module.get_parameter(n).detach().to(dtype) for n in names}
@@ -439,7 +482,7 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names):
 
     def outputs(p, bl):
         it, it_d = iter(bl), iter(bdims)
-        full = [next(it).unsqueeze(next(it_d)) if m else v for v, m in zip(batched, mapped)]
+        full = [(next(it) if flat else next(it).unsqueeze(next(it_d))) if m else v for v, m in zip(batched, mapped)]
         a, kw = tree_unflatten(full, spec)
         state = {**p, **{n: t.clone() for n, t in buffers.items()}}
         out = functional_call(module, state, tuple(a), dict(kw), strict=False)
@@ -457,6 +500,12 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names):
     for g, o in zip(grad_outs, probe):
         if g is None:
             continue
+        if flat:  # (B, m, ...) grad outputs, (m, ...) rows per example
+            if tuple(g.shape[1:]) != tuple(o.shape):
+                raise CorrnoiseError("module", f"{type(module).__name__} returns rows of shape {tuple(o.shape)} on one "
+                                     f"example's rows but {tuple(g.shape)} on the batch's")
+            dims.append(0)
+            continue
         cand = [d for d in range(g.dim()) if g.dim() == o.dim() and g.shape[d] == b and o.shape[d] == 1
                 and all(g.shape[e] == o.shape[e] for e in range(g.dim()) if e != d)]
         if b > 1 and len(cand) != 1:
@@ -468,7 +517,8 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names):
     def one(p, bl, gs):
         outs, pull = vjp(lambda pp: outputs(pp, bl), p)
         it_g, it_d = iter(gs), iter(dims)
-        cots = tuple(next(it_g).unsqueeze(next(it_d)) if u else torch.zeros_like(o) for o, u in zip(outs, used))
+        cots = tuple((next(it_g) if flat else next(it_g).unsqueeze(next(it_d))) if u else torch.zeros_like(o)
+                     for o, u in zip(outs, used))
         return pull(cots)[0]
 
     try:
