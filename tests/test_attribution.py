@@ -502,8 +502,9 @@ def _moe(kind, implementation=None):
     return model
 
 
+@pytest.mark.parametrize("rule", ["experts", "fallback"])
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_a_mixture_of_experts_trains_once_the_first_batch_is_checked_and_is_exact(kind):
+def test_a_mixture_of_experts_trains_once_the_first_batch_is_checked_and_is_exact(kind, rule, monkeypatch):
     """transformers' MoE blocks call their top-k router and their experts on the batch's tokens as
     one pool of (B*T, d) rows. Before the check, the engine refuses in one line naming it; the
     check verifies that each example's rows are its own (each token is routed and computed alone),
@@ -511,8 +512,14 @@ def test_a_mixture_of_experts_trains_once_the_first_batch_is_checked_and_is_exac
     eager experts (transformers' grouped product has no float64); the models' RMSNorms compute in
     float32 whatever the model's dtype, so a batched and a single example's forward differ by
     float32 roundings there (~1e-8 relative measured): 1e-6, where a row given to another example
-    is off by O(1)."""
+    is off by O(1). Both ways of the experts: their own rule (per-expert factors), and the
+    fallback's re-run per example that it hands over to past its memory bound."""
+    from corrnoise.torch.clipping import layers
+
     model = _moe(kind, "eager").double()
+    assert layers.handler_for(model.model.layers[0].mlp.experts) is layers.moe_experts_handler
+    if rule == "fallback":
+        monkeypatch.setattr(layers, "MOE_FACTOR_BYTES", 0)
     losses, batch = _lm_losses(model), _padded()
     routed = ["model.layers.0.mlp.experts", "model.layers.0.mlp.gate"]
     engine = ClippingEngine(model, "mean", 1.0)
@@ -539,10 +546,33 @@ def test_a_mixture_of_experts_trains_once_the_first_batch_is_checked_and_is_exac
         model.zero_grad()
         torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)  # of each example's own loss
         factors = torch.clamp(clip / ref_norms, max=1.0)
-        for k, s_k in enumerate(sums):  # sum_i c_i g_i (the privatizer divides by the batch size)
-            ref = sum(f * g[k] for f, g in zip(factors, per))
-            torch.testing.assert_close(s_k, ref, rtol=0, atol=1e-6 * max(1e-12, float(ref.abs().max())))
+        refs = [sum(f * g[k] for f, g in zip(factors, per)) for k in range(len(sums))]  # sum_i c_i g_i
+        scale = max(float(r.abs().max()) for r in refs)
+        for s_k, ref in zip(sums, refs):
+            torch.testing.assert_close(s_k, ref, rtol=0, atol=1e-6 * scale)
     engine.detach()
+
+
+def test_moe_experts_called_with_one_row_per_example_are_exact():
+    """A sequence of one token: the experts see B rows for B examples (not flattened), and their rule
+    reads each row as its example's."""
+    model = _moe("mixtral", "eager").double()
+    x = torch.randint(1, V, (5, 1), generator=torch.Generator().manual_seed(4))
+
+    def losses(ids):
+        return model(input_ids=ids).logits[:, 0].sin().sum(1)
+
+    engine = ClippingEngine(model, "sum", 1e9)
+    losses(x).sum().backward()
+    sums, norms = engine.clipped_sum(5)
+    engine.detach()
+    per = [torch.autograd.grad(losses(x[i:i + 1]).sum(), list(model.parameters())) for i in range(5)]
+    ref_norms = torch.stack([torch.sqrt(sum(t.square().sum() for t in g)) for g in per])
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
+    refs = [sum(g[k] for g in per) for k in range(len(sums))]
+    scale = max(float(r.abs().max()) for r in refs)  # a key projection's gradient is 0 on one token
+    for s_k, ref in zip(sums, refs):
+        torch.testing.assert_close(s_k, ref, rtol=0, atol=1e-6 * scale)
 
 
 def test_a_mixture_of_experts_trains_with_make_private_in_float32_with_transformers_default_experts():

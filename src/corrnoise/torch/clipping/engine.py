@@ -145,8 +145,8 @@ from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_only,
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
-                     fallback_handler, handler_for, layernorm_handler, linear_handler, owned_parameters,
-                     rmsnorm_handler, rows_independent, takes_indices)
+                     fallback_handler, handler_for, layernorm_handler, linear_handler, moe_experts_handler,
+                     owned_parameters, rmsnorm_handler, rows_independent, takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -157,7 +157,8 @@ _RESHAPED_OUTPUT_HANDLERS = (linear_handler, conv1d_like_handler)
 #: rules that take any leading dimensions, so a call that sees the batch flattened to (B*m, ...) can be
 #: read as (B, m, ...) (ClippingEngine._flattened); the fallback also reads the layers that
 #: :func:`.layers.rows_independent` names (mixture-of-experts routers and experts) so
-_FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, layernorm_handler, rmsnorm_handler)
+_FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, layernorm_handler, rmsnorm_handler,
+                moe_experts_handler)
 
 
 def _reads_flat(m: nn.Module, handler) -> bool:

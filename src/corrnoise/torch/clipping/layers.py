@@ -42,7 +42,7 @@ from ...errors import CorrnoiseError, first_line
 from .formulas import OneHot, as_dtype
 
 __all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "rows_independent",
-           "unfold_conv",
+           "unfold_conv", "is_moe_experts", "moe_experts_handler", "MOE_FACTOR_BYTES",
            "call_batch_size", "embedding_handler", "expand_shared_indices", "is_peft_lora_embedding",
            "owned_parameters", "peft_lora_embedding_handler", "takes_indices"]
 
@@ -79,6 +79,8 @@ def handler_for(module: nn.Module) -> Handler:
         return h
     if is_conv1d_like(module):
         return conv1d_like_handler
+    if is_moe_experts(module):
+        return moe_experts_handler
     if is_peft_lora_embedding(module):
         return peft_lora_embedding_handler
     return fallback_handler
@@ -390,6 +392,85 @@ def _rng_untouched(module: nn.Module):
             torch.cuda.set_rng_state_all(cuda)
     if drew:
         raise CorrnoiseError("module", f"{type(module).__name__} {_RANDOM_MESSAGE}")
+
+
+#: the most bytes :func:`moe_experts_handler`'s per-expert factors may take (each token's rows for
+#: every expert, zero where it was not routed there: B T E (3 F + d) numbers); past it, the
+#: fallback's re-run per example, which holds one example's gradients at a time
+MOE_FACTOR_BYTES = 1 << 30
+
+
+def is_moe_experts(module: nn.Module) -> bool:
+    """transformers' unified experts in their common layout (``use_experts_implementation`` with its
+    defaults: [gate; up] concatenated, not transposed, no biases, no norm after the experts, the
+    default gate): ``gate_up_proj`` (E, 2F, d), ``down_proj`` (E, d, F), ``act_fn``. Other layouts
+    (GPT-OSS's transposed, biased, interleaved experts) take the fallback."""
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3):
+        return False
+    e, f2, d = gu.shape
+    layout = (getattr(module, "has_gate", None) is True and getattr(module, "is_concatenated", None) is True
+              and getattr(module, "is_transposed", None) is False and getattr(module, "has_bias", None) is False
+              and getattr(module, "has_post_expert_norm", False) is False)
+    gate = getattr(type(module), "_apply_gate", None)
+    return (layout and hasattr(module, "act_fn") and gate is not None and gate.__name__ == "_default_apply_gate"
+            and f2 % 2 == 0 and tuple(dn.shape) == (e, d, f2 // 2))
+
+
+def _experts_args(args, kwargs):
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    got = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
+    if any(not isinstance(t, torch.Tensor) for t in got):
+        raise CorrnoiseError("module", "experts called without (hidden_states, top_k_index, top_k_weights)")
+    return got
+
+
+def moe_experts_handler(module, args, kwargs, grad_outs, dtype):
+    """transformers' unified mixture-of-experts experts (:func:`is_moe_experts`) on the batch
+    flattened, read as (B, m, ...): token t's output is y_t = sum_j w_{t,j} W_d[e_{t,j}] h_{t,j},
+    h = act(gate) * up, [gate; up] = W_gu[e] x_t. Per example and expert e (the factors' blocks),
+    with the rows of tokens not routed to e zero:
+
+        grad W_d[e]  = sum_t (w_{t,e} dY_t) h_{t,e}^T
+        grad W_gu[e] = sum_t dZ_{t,e} x_t^T,   dZ = the pullback of W_d[e]^T w dY through the gate
+
+    The expert products are recomputed per expert on its routed tokens (one ``mm`` each); the
+    factors take B T E (3 F + d) numbers, and past :data:`MOE_FACTOR_BYTES` the fallback's
+    per-example re-run is used instead.
+    """
+    x, idx, wts = _experts_args(args, kwargs)
+    g = grad_outs[0]
+    gate_up, down = module.gate_up_proj, module.down_proj
+    n_exp, f2, d = gate_up.shape
+    flat = x.dim() == 3
+    if not flat:  # one row per example
+        x, idx, wts, g = x.unsqueeze(1), idx.unsqueeze(1), wts.unsqueeze(1), None if g is None else g.unsqueeze(1)
+    b, m, k = idx.shape
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if b * m * n_exp * (3 * f2 // 2 + d) * itemsize > MOE_FACTOR_BYTES:
+        return fallback_handler(module, args, kwargs, grad_outs, dtype, flat=flat)
+    if g is None:
+        return {}
+    rows_x, rows_g = as_dtype(x, dtype).reshape(b * m, d), as_dtype(g, dtype).reshape(b * m, d)
+    flat_idx, flat_w = idx.reshape(b * m, k), as_dtype(wts, dtype).reshape(b * m, k)
+    w_gu, w_d = as_dtype(gate_up.detach(), dtype), as_dtype(down.detach(), dtype)
+    # the factors' layout (B, E, m, .): example, expert block, the example's token
+    u_gu = rows_x.new_zeros(b, n_exp, m, f2)
+    u_d = rows_x.new_zeros(b, n_exp, m, d)
+    v_d = rows_x.new_zeros(b, n_exp, m, f2 // 2)
+    for e in flat_idx.unique().tolist():
+        if not 0 <= e < n_exp:  # transformers' index for "no expert" (masked tokens): nothing computed
+            continue
+        tok, slot = (flat_idx == e).nonzero(as_tuple=True)
+        with torch.enable_grad():
+            z = (rows_x[tok] @ w_gu[e].t()).requires_grad_(True)
+            h = module._apply_gate(z)
+            dy = flat_w[tok, slot].unsqueeze(1) * rows_g[tok]
+            (dz,) = torch.autograd.grad(h, z, dy @ w_d[e])
+        ex, pos = tok // m, tok % m
+        u_gu[ex, e, pos], u_d[ex, e, pos], v_d[ex, e, pos] = dz, dy, h.detach()
+    v_gu = rows_x.view(b, 1, m, d).expand(b, n_exp, m, d)
+    return {"gate_up_proj": [(u_gu, v_gu)], "down_proj": [(u_d, v_d)]}
 
 
 def rows_independent(module: nn.Module) -> bool:
