@@ -369,6 +369,33 @@ def test_two_processes_make_the_updates_of_one_and_resume_a_checkpoint(tmp_path)
     _one_line(err, "resume_from_checkpoint")
 
 
+def _mixtral(**kw):
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                                     num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=V,
+                                     max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0, **kw)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def test_a_mixture_of_experts_fine_tunes_its_experts_and_refuses_the_router_loss(tmp_path):
+    """Mixtral's routers and experts train under PrivateTrainer (its first batch's check verifies the
+    flattened rows); a model configured to add the routers' load-balancing loss, which the
+    per-example loss would silently leave out, is refused in one line -- also under LoRA."""
+    peft = pytest.importorskip("peft")
+    model = _mixtral()
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    before = experts.detach().clone()
+    trainer = _trainer(tmp_path, model=model)
+    trainer.train()
+    assert float((experts.detach() - before).abs().max()) > 0
+    assert trainer.private_optimizer.attribution_checked and trainer.private_optimizer.steps_taken == 2
+    for aux in (_mixtral(output_router_logits=True),
+                peft.get_peft_model(_mixtral(output_router_logits=True), peft.LoraConfig(r=2, target_modules=["q_proj"]))):
+        with pytest.raises(CorrnoiseError) as err:
+            _trainer(tmp_path, model=aux)
+        _one_line(err, "output_router_logits")
+
+
 @pytest.mark.parametrize("setting, param", [
     (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
     (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),

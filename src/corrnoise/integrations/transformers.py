@@ -70,7 +70,9 @@ mechanism or break per-example clipping: ``group_by_length`` / a ``train_samplin
 other than ``random``, ``neftune_noise_alpha``, ``label_smoothing_factor``,
 ``compute_loss_func``, ``model_init``, ``auto_find_batch_size``, ``torch_compile``,
 ``fp16`` (a loss scaler), DeepSpeed / FSDP, torch DataParallel over several GPUs in one process
-(``n_gpu``; use one process per GPU), an iterable ``train_dataset``, and a subclass that
+(``n_gpu``; use one process per GPU), a mixture-of-experts model configured to add its routers'
+load-balancing loss (``output_router_logits``: a function of the whole batch's routing, which the
+per-example loss would leave out), an iterable ``train_dataset``, and a subclass that
 overrides the train sampler. Activation (gradient) checkpointing and ``bf16`` are not refused:
 the clipping engine is exact under both (tests/test_hf_trainer.py, tests/test_hf_exact.py).
 """
@@ -719,6 +721,12 @@ def _check_saved_plan(saved: RunPlan, kwargs: dict[str, Any]) -> None:
                              f"more than {epsilon:g}")
 
 
+def _router_loss_on(model) -> bool:
+    """Whether a mixture-of-experts model is configured to add its routers' load-balancing loss."""
+    config = getattr(model, "config", None)  # a peft model's is its base model's
+    return bool(getattr(config, "output_router_logits", False)) and bool(getattr(config, "router_aux_loss_coef", 0))
+
+
 def _refuse_trainer_settings(trainer: PrivateTrainer) -> None:
     """One line naming the first Trainer setting that would look at the data outside the
     mechanism, break per-example clipping, or is not supported with it yet."""
@@ -746,6 +754,10 @@ def _refuse_trainer_settings(trainer: PrivateTrainer) -> None:
          "the loss scaler scales the captured gradients; use bf16 or full precision"),
         ("deepspeed", getattr(trainer, "is_deepspeed_enabled", False), "is not supported with private training"),
         ("fsdp", getattr(trainer, "is_fsdp_enabled", False), "is not supported with private training"),
+        ("output_router_logits", _router_loss_on(trainer.model),
+         "adds the mixture-of-experts routers' load-balancing loss, a function of the whole batch's routing, "
+         "which the per-example loss leaves out: set config.output_router_logits=False (or "
+         "router_aux_loss_coef=0)"),
         ("n_gpu", getattr(args, "n_gpu", 1) > 1,
          "torch DataParallel over several GPUs in one process is not supported; launch one process per GPU "
          "(torchrun --nproc_per_node N), which PrivateTrainer trains data parallel"),
