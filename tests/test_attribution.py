@@ -494,6 +494,12 @@ def _moe(kind, implementation=None):
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=48, num_local_experts=4,
                                                                            **common))
+    elif kind == "deepseek_v3":  # its router flattens the batch inside; one dense layer first
+        common.update(num_hidden_layers=2, num_key_value_heads=2)  # its attention with a mask wants no GQA
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, n_group=1, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, **common))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16, norm_topk_prob=True, **common))
@@ -503,7 +509,7 @@ def _moe(kind, implementation=None):
 
 
 @pytest.mark.parametrize("rule", ["experts", "fallback"])
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_a_mixture_of_experts_trains_once_the_first_batch_is_checked_and_is_exact(kind, rule, monkeypatch):
     """transformers' MoE blocks call their top-k router and their experts on the batch's tokens as
     one pool of (B*T, d) rows. Before the check, the engine refuses in one line naming it; the
@@ -517,11 +523,14 @@ def test_a_mixture_of_experts_trains_once_the_first_batch_is_checked_and_is_exac
     from corrnoise.torch.clipping import layers
 
     model = _moe(kind, "eager").double()
-    assert layers.handler_for(model.model.layers[0].mlp.experts) is layers.moe_experts_handler
+    block = model.model.layers[-1].mlp
+    assert layers.handler_for(block.experts) is layers.moe_experts_handler
     if rule == "fallback":
         monkeypatch.setattr(layers, "MOE_FACTOR_BYTES", 0)
     losses, batch = _lm_losses(model), _padded()
-    routed = ["model.layers.0.mlp.experts", "model.layers.0.mlp.gate"]
+    # DeepSeek-V3's router is called batch-first (it flattens inside): not a flattened call
+    routed = [f"model.layers.{len(model.model.layers) - 1}.mlp.{n}"
+              for n in (("experts",) if kind == "deepseek_v3" else ("experts", "gate"))]
     engine = ClippingEngine(model, "mean", 1.0)
     losses(batch).mean().backward()
     with pytest.raises(CorrnoiseError, match="check_attribution") as err:

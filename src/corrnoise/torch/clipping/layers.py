@@ -527,9 +527,13 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None, flat=Fa
     ``flat``: the layer was called on the batch flattened, B*m rows example-major, and the
     engine passes its tensors viewed as (B, m, ...) (:func:`rows_independent` layers, once
     verified): each example's re-run gets its own m rows as the layer saw rows, (m, ...), and its
-    outputs are (m, ...) rows of the (B, m, ...) grad outputs.
+    outputs are (m, ...) rows of the (B, m, ...) grad outputs. A :func:`rows_independent` layer
+    called batch-first that flattens the batch inside (DeepSeek-V3's router: (B, m, d) viewed as
+    (B*m, d)) returns B*m rows: they are read as each example's m rows in turn, the order the view
+    gives (the experts of the same block see those rows flattened, so the check that their layout
+    needs verifies the router's with them).
     """
-    if flat:
+    if flat or rows_independent(module):
         _refuse_router_logits_in_loss(module, grad_outs)
     try:
         with _plain_rnn_kernels(module), _rng_untouched(module):
@@ -577,11 +581,18 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
     # RNN is (layers, B, hidden) even with batch_first=True)
     with torch.no_grad():
         probe = outputs(params, [v.select(d, 0) for v, d in zip(bleaves, bdims)])
+    # a rows-independent layer called batch-first that flattens the batch inside (DeepSeek-V3's
+    # router views (B, m, d) as (B*m, d)): its (B*m, ...) outputs are each example's m rows in turn
+    rows_out = not flat and b > 1 and rows_independent(module) and all(
+        g is None or (g.dim() == o.dim() and g.shape[0] == b * o.shape[0] and g.shape[1:] == o.shape[1:])
+        for g, o in zip(grad_outs, probe))
+    if rows_out:
+        grad_outs = [None if g is None else g.reshape(b, -1, *g.shape[1:]) for g in grad_outs]
     dims = []
     for g, o in zip(grad_outs, probe):
         if g is None:
             continue
-        if flat:  # (B, m, ...) grad outputs, (m, ...) rows per example
+        if flat or rows_out:  # (B, m, ...) grad outputs, (m, ...) rows per example
             if tuple(g.shape[1:]) != tuple(o.shape):
                 raise CorrnoiseError("module", f"{type(module).__name__} returns rows of shape {tuple(o.shape)} on one "
                                      f"example's rows but {tuple(g.shape)} on the batch's")
@@ -598,7 +609,7 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
     def one(p, bl, gs):
         outs, pull = vjp(lambda pp: outputs(pp, bl), p)
         it_g, it_d = iter(gs), iter(dims)
-        cots = tuple((next(it_g) if flat else next(it_g).unsqueeze(next(it_d))) if u else torch.zeros_like(o)
+        cots = tuple((next(it_g) if flat or rows_out else next(it_g).unsqueeze(next(it_d))) if u else torch.zeros_like(o)
                      for o, u in zip(outs, used))
         return pull(cots)[0]
 
