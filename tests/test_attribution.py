@@ -393,31 +393,38 @@ def test_hugging_face_models_pass_with_room_to_spare(kind):
     assert ATTRIBUTION_RTOL[torch.float64] == ATTRIBUTION_RTOL[torch.float32]
 
 
-def test_opt_trains_with_make_private_once_the_first_batch_is_checked():
-    """OPT's decoder layers call their MLP on (B*T, d): the first step without the check is refused
-    in one line naming the remedy; with it (which compares the engine's per-example gradients with
-    each example's own, parameter by parameter) the run trains."""
-    model, losses = _hf("opt")
-    model.double()
+def _trains_once_checked(model, losses):
+    """make_private on ``model`` (batches of _padded): the first step without the check is refused in
+    one line naming it; with the check on the first batch the run trains its 2 steps. The check's
+    report."""
     batch = _padded()
     data = [{k: v[i] for k, v in batch.items()} for i in range(len(LENGTHS))] * 4
     loader = DataLoader(data, batch_size=5)
     model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
                                       noise_multiplier=1.0, delta=1e-5, steps=2, max_grad_norm=1.0,
                                       mechanism="bsr:2", batching="cyclic", noise_seed=0, seed=0)
-    first = next(iter(loader))
-    losses(first).mean().backward()
+    losses(next(iter(loader))).mean().backward()
     with pytest.raises(CorrnoiseError, match="check_attribution") as err:
         opt.step()
     _one_line(err, "module")
     opt.zero_grad()
+    report = None
     for b in loader:
         if opt.steps_taken == 0:
-            assert opt.check_attribution(losses, b).flattened
+            report = opt.check_attribution(losses, b)
         losses(b).mean().backward()
         opt.step()
         opt.zero_grad()
     assert opt.steps_taken == 2
+    return report
+
+
+def test_opt_trains_with_make_private_once_the_first_batch_is_checked():
+    """OPT's decoder layers call their MLP on (B*T, d): the first step without the check is refused
+    in one line naming the remedy; with it (which compares the engine's per-example gradients with
+    each example's own, parameter by parameter) the run trains."""
+    model, losses = _hf("opt")
+    assert _trains_once_checked(model.double(), losses).flattened
 
 
 def test_a_table_module_called_without_inputs_is_refused_with_the_way_out():
@@ -588,26 +595,9 @@ def test_a_mixture_of_experts_trains_with_make_private_in_float32_with_transform
     """The same in float32 with the experts' default (grouped) product, as users run it: the first
     step is refused without the check, and with it the run trains; LoRA on attention needs nothing."""
     model = _moe("mixtral")
-    losses, batch = _lm_losses(model), _padded()
-    data = [{k: v[i] for k, v in batch.items()} for i in range(len(LENGTHS))] * 4
-    loader = DataLoader(data, batch_size=5)
-    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
-                                      noise_multiplier=1.0, delta=1e-5, steps=2, max_grad_norm=1.0,
-                                      mechanism="bsr:2", batching="cyclic", noise_seed=0, seed=0)
-    losses(next(iter(loader))).mean().backward()
-    with pytest.raises(CorrnoiseError, match="check_attribution") as err:
-        opt.step()
-    _one_line(err, "module")
-    opt.zero_grad()
-    for b in loader:
-        if opt.steps_taken == 0:
-            report = opt.check_attribution(losses, b)
-            assert sorted(report.flattened) == ["model.layers.0.mlp.experts", "model.layers.0.mlp.gate"]
-            assert report.worst < 0.1
-        losses(b).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    assert opt.steps_taken == 2
+    report = _trains_once_checked(model, _lm_losses(model))
+    assert sorted(report.flattened) == ["model.layers.0.mlp.experts", "model.layers.0.mlp.gate"]
+    assert report.worst < 0.1
     lora = peft.get_peft_model(_moe("mixtral"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     engine = ClippingEngine(lora, "mean", 1.0, parameters=[p for p in lora.parameters() if p.requires_grad])
     assert check_attribution(engine, _lm_losses(lora), _padded()).worst < 0.1
