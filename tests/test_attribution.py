@@ -591,6 +591,20 @@ def test_moe_experts_called_with_one_row_per_example_are_exact():
         torch.testing.assert_close(s_k, ref, rtol=0, atol=1e-6 * scale)
 
 
+def test_a_router_that_flattens_inside_is_exact_on_a_batch_of_one():
+    """DeepSeek-V3's router on one example: its (T, k) outputs are that example's rows."""
+    model = _moe("deepseek_v3", "eager").double()
+    batch = {k: v[:1] for k, v in _padded().items()}
+    losses = _lm_losses(model)
+    engine = ClippingEngine(model, "mean", 1.0)
+    losses(batch).mean().backward()
+    sums, norms = engine.clipped_sum(1)
+    with engine.paused():
+        ref = torch.autograd.grad(losses(batch).sum(), list(model.parameters()))
+    engine.detach()
+    torch.testing.assert_close(norms[0], torch.sqrt(sum(t.square().sum() for t in ref)), rtol=1e-9, atol=0)
+
+
 def test_a_mixture_of_experts_trains_with_make_private_in_float32_with_transformers_default_experts():
     """The same in float32 with the experts' default (grouped) product, as users run it: the first
     step is refused without the check, and with it the run trains; LoRA on attention needs nothing."""

@@ -583,7 +583,7 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
         probe = outputs(params, [v.select(d, 0) for v, d in zip(bleaves, bdims)])
     # a rows-independent layer called batch-first that flattens the batch inside (DeepSeek-V3's
     # router views (B, m, d) as (B*m, d)): its (B*m, ...) outputs are each example's m rows in turn
-    rows_out = not flat and b > 1 and rows_independent(module) and all(
+    rows_out = not flat and rows_independent(module) and all(
         g is None or (g.dim() == o.dim() and g.shape[0] == b * o.shape[0] and g.shape[1:] == o.shape[1:])
         for g, o in zip(grad_outs, probe))
     if rows_out:
