@@ -155,8 +155,8 @@ __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 _RESHAPED_OUTPUT_HANDLERS = (linear_handler, conv1d_like_handler)
 
 #: rules that take any leading dimensions, so a call that sees the batch flattened to (B*m, ...) can be
-#: read as (B, m, ...) (ClippingEngine._flattened); the fallback also reads the layers that
-#: :func:`.layers.rows_independent` names (mixture-of-experts routers and experts) so
+#: read as (B, m, ...) (ClippingEngine._flattened); the fallback reads so only the layers that
+#: :func:`.layers.rows_independent` names (mixture-of-experts routers and experts)
 _FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, layernorm_handler, rmsnorm_handler,
                 moe_experts_handler)
 
@@ -164,6 +164,7 @@ _FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, layernor
 def _reads_flat(m: nn.Module, handler) -> bool:
     """Whether ``m``'s rule can read a call on the batch flattened as (B, m, ...)."""
     return handler in _FLATTENABLE or (handler is fallback_handler and rows_independent(m))
+
 
 #: modules whose forward uses their children's parameters directly (not through the children's
 #: forward): treated as one fallback layer owning the whole subtree.
