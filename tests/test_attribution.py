@@ -644,6 +644,33 @@ def test_a_router_loss_over_the_batch_is_refused_in_one_line():
     engine.detach()
 
 
+def test_gpt_oss_is_checked_without_a_kv_cache_and_refused_with_one():
+    """GPT-OSS's attention owns its sinks (the fallback re-runs it per example) and its experts have
+    biases and transposed weights (the re-run as well). A forward that fills a key/value cache
+    (use_cache=True, its config's default) is refused in one line: the re-runs would read and write
+    that cache. Without it the check passes."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=V,
+        max_position_embeddings=16, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    ids = _padded()["input_ids"]
+
+    def losses(use_cache):
+        def per(b):
+            logits = model(input_ids=b, use_cache=use_cache).logits[:, :-1]
+            return F.cross_entropy(logits.transpose(1, 2), b[:, 1:], reduction="none").mean(1)
+        return per
+
+    engine = ClippingEngine(model, "mean", 1.0)
+    with pytest.raises(CorrnoiseError, match="use_cache=False") as err:
+        check_attribution(engine, losses(True), ids)
+    _one_line(err, "module")
+    report = check_attribution(engine, losses(False), ids)
+    assert report.worst < 0.1 and "model.layers.0.mlp.experts" in report.flattened
+    engine.detach()
+
+
 class _CapacityTopKRouter(nn.Module):
     """A top-k router with an expert capacity (tokens past it dropped by the whole batch's load, as
     Switch Transformers and NLLB-MoE do): its rows are not each their own."""

@@ -396,6 +396,21 @@ def test_a_mixture_of_experts_fine_tunes_its_experts_and_refuses_the_router_loss
         _one_line(err, "output_router_logits")
 
 
+def test_gpt_oss_trains_its_attention_sinks_and_experts(tmp_path):
+    """GPT-OSS: its attention owns its sinks and its experts have biases and transposed weights, so
+    both are re-run per example (the experts on their flattened rows, once checked)."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=V,
+        max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    sinks = model.model.layers[0].self_attn.sinks
+    before = sinks.detach().clone()
+    trainer = _trainer(tmp_path, model=model)
+    trainer.train()
+    assert trainer.private_optimizer.steps_taken == 2 and float((sinks.detach() - before).abs().max()) > 0
+
+
 @pytest.mark.parametrize("setting, param", [
     (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
     (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),

@@ -492,6 +492,12 @@ def rows_independent(module: nn.Module) -> bool:
     return (experts or _top_k_router(module)) and not any("capacity" in k.lower() for k in vars(module))
 
 
+def _is_kv_cache(v) -> bool:
+    """A transformers key/value cache (``transformers.cache_utils.Cache``, found by class name: the
+    integration is optional)."""
+    return any(c.__name__ == "Cache" and "cache" in c.__module__ for c in type(v).__mro__)
+
+
 def _top_k_router(module: nn.Module) -> bool:
     return type(module).__name__.lower().endswith("topkrouter") and isinstance(getattr(module, "top_k", None), int)
 
@@ -535,6 +541,10 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None, flat=Fa
     """
     if flat or rows_independent(module):
         _refuse_router_logits_in_loss(module, grad_outs)
+    if any(_is_kv_cache(v) for v in tree_flatten((args, kwargs))[0]):
+        raise CorrnoiseError("module", f"{type(module).__name__} was called with a key/value cache (use_cache=True): "
+                             "the per-example re-runs of its forward would read and write it; train with "
+                             "use_cache=False")
     try:
         with _plain_rnn_kernels(module), _rng_untouched(module):
             return _fallback(module, args, kwargs, grad_outs, dtype, names, flat)
