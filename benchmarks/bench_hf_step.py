@@ -25,6 +25,10 @@ feed-forward 4x the width, whose decoder layers call their MLP on the batch flat
 family most fine-tuning uses today (Llama, Qwen2, Mistral): RMSNorm (transformers' own class, taken
 by the engine's torch.func fallback), rotary positions, grouped-query attention (half as many
 key/value heads), a gated MLP 3x the width, an untied head; GPT-2's loss.
+``mixtral`` (not in the default ``--models``): MixtralForCausalLM of the same width and depth, 4
+experts of 2x the width each, top 2 (transformers' default grouped expert product), the routers and
+experts trained (the attribution check verifies their flattened rows first); LoRA on the four
+attention projections; GPT-2's loss.
 
 Methods: ``plain`` (forward, backward, SGD step), ``private`` (make_private, mechanism bsr:4,
 cyclic batching, noise_multiplier 1: hooks, clipped sum by ghost norm + book-keeping, the
@@ -114,6 +118,15 @@ def make_model(name: str, lora: bool):
                                      max_position_embeddings=max(128, RUN["seq"]), word_embed_proj_dim=w,
                                      dropout=0.0, attention_dropout=0.0, pad_token_id=0)
         model = transformers.OPTForCausalLM(cfg)
+    elif name == "mixtral":
+        w, n = SIZE["width"], SIZE["layers"]
+        heads = max(2, w // 64)
+        cfg = transformers.MixtralConfig(num_hidden_layers=n, hidden_size=w, num_attention_heads=heads,
+                                         num_key_value_heads=max(1, heads // 2), intermediate_size=2 * w,
+                                         num_local_experts=4, num_experts_per_tok=2, vocab_size=RUN["vocab"],
+                                         max_position_embeddings=max(128, RUN["seq"]), bos_token_id=0,
+                                         eos_token_id=0, pad_token_id=0)
+        model = transformers.MixtralForCausalLM(cfg)
     elif name == "llama":
         w, n = SIZE["width"], SIZE["layers"]
         heads = max(2, w // 64)
@@ -123,7 +136,7 @@ def make_model(name: str, lora: bool):
                                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        raise SystemExit(f"unknown model {name} (gpt2, bert, llama or opt)")
+        raise SystemExit(f"unknown model {name} (gpt2, bert, llama, opt or mixtral)")
     if lora:
         import peft
         if name == "gpt2":
@@ -136,6 +149,9 @@ def make_model(name: str, lora: bool):
         elif name == "opt":
             config = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
                                      target_modules=["q_proj", "k_proj", "v_proj", "fc1", "fc2"])
+        elif name == "mixtral":
+            config = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
+                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
         else:
             config = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=8, lora_alpha=16, lora_dropout=0.0,
                                      target_modules=["query", "key", "value"])
@@ -147,7 +163,7 @@ def make_batch(name: str, b: int, seq: int) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, RUN["vocab"], (b, seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if name in ("gpt2", "llama", "opt"):
+    if name in ("gpt2", "llama", "opt", "mixtral"):
         batch["labels"] = ids.clone()
         if RUN["opacus"] and name == "gpt2":
             batch["position_ids"] = torch.arange(seq).repeat(b, 1)
@@ -160,7 +176,7 @@ def make_batch(name: str, b: int, seq: int) -> dict:
 def per_example_loss_fn(name: str):
     """One loss per example, (B,): each sequence's mean next-token loss (GPT-2, Llama, OPT) or
     the classification cross entropy (BERT)."""
-    if name in ("gpt2", "llama", "opt"):
+    if name in ("gpt2", "llama", "opt", "mixtral"):
         def lm(model, batch):
             logits, labels = model(**batch).logits, batch["labels"]
             tokens = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
@@ -170,7 +186,7 @@ def per_example_loss_fn(name: str):
 
 
 def loss_fn(name: str):
-    if name in ("gpt2", "llama", "opt"):
+    if name in ("gpt2", "llama", "opt", "mixtral"):
         per = per_example_loss_fn(name)
         return lambda model, batch: per(model, batch).mean()
     return lambda model, batch: model(**batch).loss

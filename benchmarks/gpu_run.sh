@@ -64,6 +64,11 @@ stage bert 120 $PY benchmarks/bench_hf_step.py --device $DEV --models bert $BERT
 if [ -n "${DRY:-}" ]; then LLAMA="--width 64 --layers 2 --vocab 500"; else LLAMA="--width 2048 --layers 12 --vocab 32000"; fi
 stage llama 240 $PY benchmarks/bench_hf_step.py --device $DEV --models llama $LLAMA $S1 --reps 6 --rounds 2 \
     --methods plain,private,lora_plain,lora_private
+# a mixture of experts with its routers and experts trained (issue #27): Mixtral of 6 layers of width 768,
+# 4 experts of 1536, top 2, a 32000-word head
+if [ -n "${DRY:-}" ]; then MOE="--width 64 --layers 2 --vocab 500"; else MOE="--width 768 --layers 6 --vocab 32000"; fi
+stage moe 150 $PY benchmarks/bench_hf_step.py --device $DEV --models mixtral $MOE $S1 --reps 6 --rounds 2 \
+    --methods plain,private,lora_plain,lora_private
 # the same BERT step without the Triton noise kernel, and on an older engine given as OLD_SRC (a
 # `git archive <commit> src` unpacked there): the before/after of a change in one session
 stage bert_notriton 90 env CORRNOISE_NO_TRITON=1 $PY benchmarks/bench_hf_step.py --device $DEV --models bert $BERT \

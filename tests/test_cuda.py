@@ -37,29 +37,51 @@ def _gpt2(device):
     return transformers.GPT2LMHeadModel(cfg).to(device)
 
 
-def _clipped_sum(device):
-    """The engine's (sums, norms) for GPT-2 (tied head, shared (1, L) position ids: the probe runs)
-    on a batch of 6 sequences of 24 tokens, each sequence's mean token loss, clip 0.5."""
+def _model(kind, device):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return _gpt2(device)
+    if kind == "bert":  # three lookup tables (word, position, token type): their norms by token segments
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, vocab_size=97,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).to(device)
+    # a mixture of experts: routers re-run per example, experts by their own rule, both on flattened rows
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=97, max_position_embeddings=32, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0)).to(device)
+
+
+def _clipped_sum(device, kind="gpt2"):
+    """The engine's (sums, norms) for a model (GPT-2: tied head, shared (1, L) position ids, the
+    probe runs) on a batch of 6 sequences of 24 tokens, each sequence's mean token loss, clip 0.5."""
+    from corrnoise.torch.clipping.attribution import check_attribution
     from corrnoise.torch.clipping.engine import ClippingEngine
 
-    model = _gpt2(device)
+    model = _model(kind, device)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 97, (6, 24), generator=g).to(device)
+
+    def losses(batch):
+        logits = model(input_ids=batch).logits
+        return F.cross_entropy(logits[:, :-1].transpose(1, 2), batch[:, 1:], reduction="none").mean(1)
+
     engine = ClippingEngine(model, loss_reduction="mean", max_grad_norm=0.5)
+    if kind == "mixtral":  # rows of the batch flattened: verified first
+        assert check_attribution(engine, losses, ids).worst < 0.1
     for _ in range(2):  # the first step (checked against autograd) and one with weight grads out of autograd
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids).logits
-        per = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
-        per.mean().backward()
+        losses(ids).mean().backward()
         sums, norms = engine.clipped_sum(6)
         engine.clear()
     engine.detach()
     return [s.cpu() for s in sums], norms.cpu()
 
 
-def test_engine_clipped_sum_on_cuda_equals_the_cpu_one():
-    sums, norms = _clipped_sum("cuda")
-    ref_sums, ref_norms = _clipped_sum("cpu")
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "mixtral"])
+def test_engine_clipped_sum_on_cuda_equals_the_cpu_one(kind):
+    sums, norms = _clipped_sum("cuda", kind)
+    ref_sums, ref_norms = _clipped_sum("cpu", kind)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=1e-6)
     assert (ref_norms > 0.5).any()  # clipping is active
     for got, want in zip(sums, ref_sums, strict=True):
