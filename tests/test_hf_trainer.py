@@ -868,6 +868,10 @@ def test_trl_dpo_every_per_pair_loss_averages_to_trls(tmp_path, setting):
     ("loss_type", {"loss_type": ["sigmoid", "aot_unpaired"]}),
     ("loss_weights", {"loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0]}),
     ("f_divergence_type", {"f_divergence_type": "chi2"}),
+    ("f_divergence_type", {"loss_type": ["nca_pair"], "f_divergence_type": "forward_kl"}),
+    ("label_smoothing", {"loss_type": ["exo_pair"], "label_smoothing": 0.0}),
+    ("label_smoothing", {"loss_type": ["robust"], "label_smoothing": 0.5}),
+    ("label_smoothing", {"label_smoothing": 0.1}),
 ])
 def test_dpo_pair_losses_named_bad_settings_in_one_line(setting, args):
     """Called directly (trl's config checks nothing here), a bad setting is one line naming it."""

@@ -173,25 +173,43 @@ class PairTerms:
         return self.scores[:, 0] - self.scores[:, 1]
 
 
-#: trl's f-divergences (f_divergence_type)
-F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+def _reverse_kl(r: torch.Tensor, alpha: float) -> torch.Tensor:
+    return r
+
+
+def _forward_kl(r: torch.Tensor, alpha: float) -> torch.Tensor:
+    return 1 - torch.exp(-r)
+
+
+def _js_divergence(r: torch.Tensor, alpha: float) -> torch.Tensor:
+    return math.log(2) + F.logsigmoid(r)
+
+
+def _alpha_divergence(r: torch.Tensor, alpha: float) -> torch.Tensor:
+    if abs(alpha - 1.0) < 1e-6:
+        return r
+    return (torch.exp(torch.clamp((alpha - 1.0) * r, max=80.0)) - 1.0) / (alpha - 1.0)
+
+
+#: trl's f-divergences (f_divergence_type) and their scores
+_F_SCORES = {"reverse_kl": _reverse_kl, "forward_kl": _forward_kl, "js_divergence": _js_divergence,
+             "alpha_divergence": _alpha_divergence}
+F_DIVERGENCES = tuple(_F_SCORES)
+
+
+def _divergence(name: str):
+    """The score function of an f-divergence name; one line naming the setting for any other."""
+    fn = _F_SCORES.get(name)
+    if fn is None:
+        raise CorrnoiseError("f_divergence_type", f"is {name!r}: not one of {', '.join(F_DIVERGENCES)}")
+    return fn
 
 
 def f_divergence_scores(ratios: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:
     """f-DPO's scores f'(pi / pi_ref) of log-ratios r (Wang et al. 2023, "Beyond Reverse KL", Thm. 1):
     reverse KL r; forward KL 1 - e^-r; Jensen-Shannon log 2 + log sigmoid(r); alpha-divergence
     (e^((alpha - 1) r) - 1) / (alpha - 1), r itself as alpha -> 1 (its exponent capped at 80 as trl does)."""
-    if divergence == "reverse_kl":
-        return ratios
-    if divergence == "forward_kl":
-        return 1 - torch.exp(-ratios)
-    if divergence == "js_divergence":
-        return math.log(2) + F.logsigmoid(ratios)
-    if divergence == "alpha_divergence":
-        if abs(alpha - 1.0) < 1e-6:
-            return ratios
-        return (torch.exp(torch.clamp((alpha - 1.0) * ratios, max=80.0)) - 1.0) / (alpha - 1.0)
-    raise CorrnoiseError("f_divergence_type", f"is {divergence!r}: not one of {', '.join(F_DIVERGENCES)}")
+    return _divergence(divergence)(ratios, alpha)
 
 
 def _sigmoid(p: PairTerms) -> torch.Tensor:
@@ -282,13 +300,13 @@ def dpo_pair_losses(logps: torch.Tensor, reference: torch.Tensor, lengths: torch
     (default all 1), from (B, 2) log-probabilities of the chosen and rejected completions, the
     policy's and the reference's, and their (B, 2) completion token counts. ``args`` is trl's
     DPOConfig (beta, f_divergence_type, f_alpha_divergence_coef, label_smoothing, discopop_tau)."""
+    losses = _pair_losses(args)
     ratios = logps - reference.to(logps.dtype)
-    scores = f_divergence_scores(ratios, getattr(args, "f_divergence_type", "reverse_kl") or "reverse_kl",
-                                 getattr(args, "f_alpha_divergence_coef", 0.5))
+    scores = f_divergence_scores(ratios, _divergence_name(args), getattr(args, "f_alpha_divergence_coef", 0.5))
     terms = PairTerms(ratios, scores, lengths.to(logps.dtype).clamp(min=1.0), float(args.beta),
                       float(getattr(args, "label_smoothing", 0.0)), float(getattr(args, "discopop_tau", 0.05)))
     total = None
-    for fn, weight in _pair_losses(args):
+    for fn, weight in losses:
         loss = weight * fn(terms)
         total = loss if total is None else total + loss
     return total
@@ -299,10 +317,16 @@ def _loss_types(args) -> list[str]:
     return [loss_type] if isinstance(loss_type, str) else list(loss_type)
 
 
+def _divergence_name(args) -> str:
+    return getattr(args, "f_divergence_type", "reverse_kl") or "reverse_kl"
+
+
 def _pair_losses(args) -> list[tuple]:
     """(per-pair loss function, weight) for each of trl's ``loss_type`` with its ``loss_weights``
-    (default all 1); one line naming the setting where a type is no loss of one pair alone or
-    the weights do not match the types."""
+    (default all 1). The one place the loss settings are checked, for the trainer and a direct
+    call alike: one line naming the setting where a type is no loss of one pair alone, the
+    weights do not match the types, the f-divergence is unknown or undefined for a type, or
+    ``label_smoothing`` is outside what its loss reads."""
     types = _loss_types(args)
     other = [t for t in types if t not in PAIR_LOSSES]
     if other:
@@ -311,6 +335,18 @@ def _pair_losses(args) -> list[tuple]:
     weights = getattr(args, "loss_weights", None) or [1.0] * len(types)
     if len(weights) != len(types):
         raise CorrnoiseError("loss_weights", f"has {len(weights)} weights for {len(types)} loss types")
+    divergence = _divergence_name(args)
+    _divergence(divergence)
+    eps = getattr(args, "label_smoothing", 0.0)
+    _refuse_first([
+        ("f_divergence_type", divergence != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSSES,
+         f"is {divergence!r}, defined only for loss types {sorted(F_DIVERGENCE_LOSSES)}"),
+        ("label_smoothing", "exo_pair" in types and not 0 < eps < 1, "must lie in (0, 1) for the exo_pair loss"),
+        ("label_smoothing", "robust" in types and not 0 <= eps < 0.5, "must lie in [0, 0.5) for the robust loss"),
+        ("label_smoothing", eps != 0 and not {"exo_pair", "robust"} & set(types),
+         "is read only by the exo_pair and robust losses here (older trl smoothed the sigmoid loss too): set 0 "
+         "or use loss_type 'robust'"),
+    ])
     return [(PAIR_LOSSES[t], float(w)) for t, w in zip(types, weights)]
 
 
@@ -318,19 +354,7 @@ def _refuse_dpo_settings(args, router_loss: bool = False) -> None:
     """One line naming the first DPO setting that has no per-pair loss here, or that mixes or moves
     what the clipping engine reads."""
     _pair_losses(args)
-    loss_type = _loss_types(args)
-    divergence = getattr(args, "f_divergence_type", "reverse_kl") or "reverse_kl"
     refusals = [
-        ("f_divergence_type", divergence not in F_DIVERGENCES, f"is {divergence!r}: not one of {', '.join(F_DIVERGENCES)}"),
-        ("f_divergence_type", divergence != "reverse_kl" and not set(loss_type) <= F_DIVERGENCE_LOSSES,
-         f"is {divergence!r}, defined only for loss types {sorted(F_DIVERGENCE_LOSSES)}"),
-        ("label_smoothing", "exo_pair" in loss_type and not 0 < getattr(args, "label_smoothing", 0.0) < 1,
-         "must lie in (0, 1) for the exo_pair loss"),
-        ("label_smoothing", "robust" in loss_type and not 0 <= getattr(args, "label_smoothing", 0.0) < 0.5,
-         "must lie in [0, 0.5) for the robust loss"),
-        ("label_smoothing", getattr(args, "label_smoothing", 0.0) != 0 and not {"exo_pair", "robust"} & set(loss_type),
-         "is read only by the exo_pair and robust losses here (older trl smoothed the sigmoid loss too): set 0 "
-         "or use loss_type 'robust'"),
         ("ld_alpha", getattr(args, "ld_alpha", None) is not None, "only None has a per-pair loss here"),
         ("use_weighting", getattr(args, "use_weighting", False), "only False has a per-pair loss here"),
         *_row_refusals(args),
