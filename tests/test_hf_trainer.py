@@ -560,6 +560,43 @@ def test_an_encoder_decoder_model_trains_with_decoder_inputs_made_from_its_label
     assert given["decoder_input_ids"] is batch["labels"] and "labels" not in given
 
 
+def _t5():
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=V, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, dropout_rate=0.0))
+    for name, p in model.named_parameters():
+        if "relative_attention_bias" in name:
+            p.requires_grad_(False)
+    return model
+
+
+@seeded
+def test_a_seq2seq_trainer_script_trains_the_same_run_and_evaluates_by_generation(tmp_path):
+    """PrivateSeq2SeqTrainer: Seq2SeqTrainingArguments as a Seq2SeqTrainer script has them; its
+    updates are PrivateTrainer's, and evaluation / prediction generate (predict_with_generate)."""
+    from corrnoise.integrations import PrivateSeq2SeqTrainer
+
+    assert issubclass(PrivateSeq2SeqTrainer, transformers.Seq2SeqTrainer)
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=0.05,
+                   optim="sgd", lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
+                   disable_tqdm=True, seed=0)
+    models = []
+    for cls, args in ((PrivateTrainer, transformers.TrainingArguments(**options)),
+                      (PrivateSeq2SeqTrainer, transformers.Seq2SeqTrainingArguments(
+                          **options, predict_with_generate=True))):
+        model = _t5()
+        trainer = cls(model=model, args=args, train_dataset=_Pairs(), privacy=dict(PRIVACY, seed=3))
+        trainer.train()
+        assert trainer.private_optimizer.steps_taken == 2
+        models.append(_params(model))
+    for name, p in models[0].items():
+        torch.testing.assert_close(models[1][name], p, **TOL)
+    out = trainer.predict(torch.utils.data.Subset(_Pairs(), range(3)))
+    assert out.predictions.ndim == 2 and out.predictions.shape[0] == 3  # generated ids, not (n, T, V) logits
+    assert out.predictions.dtype.kind == "i" and math.isfinite(out.metrics["test_loss"])
+
+
 def test_bart_whose_decoder_position_embedding_is_shared_by_the_batch_trains_after_the_check(tmp_path):
     torch.manual_seed(0)
     model = transformers.BartForConditionalGeneration(transformers.BartConfig(
@@ -656,6 +693,17 @@ def test_an_unknown_privacy_keyword_is_one_line(tmp_path):
 def test_privacy_arguments_the_trainer_decides_are_refused(tmp_path, privacy, param):
     with pytest.raises(CorrnoiseError) as err:
         _trainer(tmp_path, privacy=privacy)
+    _one_line(err, param)
+
+
+@pytest.mark.parametrize("length, param", [(dict(max_steps=3), "TrainingArguments.max_steps"),
+                                           (dict(max_steps=-1, num_train_epochs=1.5), "TrainingArguments.num_train_epochs")])
+def test_a_planned_length_the_planner_cannot_take_names_the_training_argument(tmp_path, length, param):
+    """The planner plans whole epochs (N // B = 32 // 4 = 8 steps here): a Trainer length of part of
+    an epoch is refused before any planning, naming the TrainingArguments setting the user gave."""
+    privacy = dict(mechanism="dpsgd", epsilon=8.0, delta=1e-5, max_grad_norm=1.0)
+    with pytest.raises(CorrnoiseError) as err:
+        _trainer(tmp_path, privacy=privacy, **length).get_train_dataloader()
     _one_line(err, param)
 
 

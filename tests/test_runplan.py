@@ -384,3 +384,16 @@ def test_a_family_the_planner_designs_with_a_given_noise_is_one_line(name):
         plan_run(dataset_size=N, batch_size=B, epochs=2, mechanism=name, delta=1e-5, noise_multiplier=1.0)
     _one_line(err, "mechanism")
     assert "give epsilon" in str(err.value) and "bsr:B" in str(err.value)  # the names that take a given noise
+
+
+def test_a_planned_run_of_part_of_an_epoch_is_refused_with_the_lengths_it_can_take():
+    """The planner plans whole epochs (its balls-in-bins candidates need them): a step count that
+    is not a multiple of N // B (a Trainer's max_steps) is refused before any planning, naming
+    the nearest planned lengths and the named-mechanism way out, which does run those steps."""
+    for steps, nearest in ((10, "(25)"), (60, "(50 or 75)")):
+        with pytest.raises(CorrnoiseError) as e:
+            plan_run(dataset_size=200, batch_size=8, delta=1e-5, mechanism="auto", epsilon=3.0, steps=steps)
+        _one_line(e, "steps")
+        assert f"got {steps}" in str(e.value) and nearest in str(e.value) and "identity" in str(e.value)
+    named = plan_run(dataset_size=200, batch_size=8, delta=1e-5, mechanism="identity", epsilon=3.0, steps=10)
+    assert named.steps == 10

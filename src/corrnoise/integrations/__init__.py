@@ -2,7 +2,8 @@
 
 * :mod:`corrnoise.integrations.transformers`: :class:`PrivateTrainer`, a Hugging Face
   ``transformers.Trainer`` that trains with :func:`corrnoise.torch.make_private` (``pip install
-  corrnoise[transformers]``).
+  corrnoise[transformers]``), and :class:`PrivateSeq2SeqTrainer`, the same for
+  ``transformers.Seq2SeqTrainer``.
 * :mod:`corrnoise.integrations.trl`: :class:`PrivateSFTTrainer` and :class:`PrivateDPOTrainer`,
   the same for trl's ``SFTTrainer`` and ``DPOTrainer`` (``pip install trl``).
 
@@ -12,7 +13,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PrivateTrainer", "PrivacyArguments", "PrivateSFTTrainer", "PrivateDPOTrainer"]
+__all__ = ["PrivateTrainer", "PrivateSeq2SeqTrainer", "PrivacyArguments", "PrivateSFTTrainer", "PrivateDPOTrainer"]
 
 
 def __getattr__(name: str):

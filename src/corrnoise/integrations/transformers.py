@@ -100,7 +100,7 @@ from ..torch import make_private
 from ..torch.dp_optimizer import DPOptimizer
 from ..torch.loader import DPDataLoader
 
-__all__ = ["PrivateTrainer", "PrivacyArguments", "PLAN_FILE", "rank_state_file"]
+__all__ = ["PrivateTrainer", "PrivateSeq2SeqTrainer", "PrivacyArguments", "PLAN_FILE", "rank_state_file"]
 
 #: the plan's file in every checkpoint folder (beside ``optimizer.pt``, which holds the noise state)
 PLAN_FILE = "privacy_plan.json"
@@ -271,6 +271,10 @@ class PrivateTrainer(transformers.Trainer):
             if "unexpected keyword argument" not in str(exc):
                 raise
             raise CorrnoiseError("privacy", f"{str(exc).split('() ', 1)[-1]} (not a make_private keyword)") from None
+        except CorrnoiseError as exc:
+            if exc.param in ("steps", "epochs") and exc.param not in self._privacy:
+                raise CorrnoiseError(_TRAINER_DECIDES[exc.param], exc.message) from None  # the run's length is the Trainer's
+            raise
         self._train_loader = _TrainerLoader(dataset, private.sampler, steps_per_epoch=private.plan.steps_per_epoch,
                                             collate_fn=collator, context=private.context, rank=loader.rank,
                                             world_size=loader.world_size, micro_batches=ga, **workers)
@@ -522,6 +526,13 @@ class PrivateTrainer(transformers.Trainer):
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+class PrivateSeq2SeqTrainer(PrivateTrainer, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` made private as :class:`PrivateTrainer` makes the Trainer:
+    the same ``privacy=`` / ``plan=``; training is PrivateTrainer's (an encoder-decoder's per-example
+    losses, its decoder inputs made from the labels), evaluation and prediction the Seq2SeqTrainer's
+    (``predict_with_generate``, ``generation_max_length``, ``gen_kwargs``), which spend no privacy."""
 
 
 def rank_state_file(folder: str, rank: int, world_size: int) -> str:

@@ -64,8 +64,12 @@ def plan_mechanism(mechanism: str, batching: str, *, num_examples: int, batch_si
     if steps is not None:
         steps = check_int("steps", steps, minimum=1)
         if steps % per_epoch:
-            raise CorrnoiseError("steps", f"the planner plans whole epochs of {per_epoch} steps (N // B); give epochs "
-                                 f"or a multiple of {per_epoch} steps, got {steps}")
+            below, above = steps // per_epoch * per_epoch, -(-steps // per_epoch) * per_epoch
+            nearest = f"{below} or {above}" if below else f"{above}"
+            raise CorrnoiseError("steps", f"the planner plans whole epochs of {per_epoch} steps (N // B = {num_examples} "
+                                 f"// {batch_size}), got {steps}: give epochs, a multiple of {per_epoch} steps "
+                                 f"({nearest}), or name a mechanism (identity for DP-SGD, bsr:4, ...), which runs any "
+                                 "number of steps")
         epochs = steps // per_epoch
     if epochs is None or not float(epochs).is_integer():
         raise CorrnoiseError("epochs", f"the planner plans whole epochs, got {epochs!r}")
