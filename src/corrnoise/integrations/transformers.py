@@ -272,8 +272,8 @@ class PrivateTrainer(transformers.Trainer):
                 raise
             raise CorrnoiseError("privacy", f"{str(exc).split('() ', 1)[-1]} (not a make_private keyword)") from None
         except CorrnoiseError as exc:
-            if exc.param in ("steps", "epochs") and exc.param not in self._privacy:
-                raise CorrnoiseError(_TRAINER_DECIDES[exc.param], exc.message) from None  # the run's length is the Trainer's
+            if exc.param in ("steps", "epochs"):  # the run's length is the Trainer's (privacy= may not give it)
+                raise CorrnoiseError(_TRAINER_DECIDES[exc.param], exc.message) from None
             raise
         self._train_loader = _TrainerLoader(dataset, private.sampler, steps_per_epoch=private.plan.steps_per_epoch,
                                             collate_fn=collator, context=private.context, rank=loader.rank,
