@@ -1066,15 +1066,9 @@ def test_ghost_rule_boundary_is_the_calibrated_ratio():
     # width 512: 90^2 * 1024 = 8,294,400 <= 32 * 512^2 = 8,388,608 < 91^2 * 1024 = 8,479,744
     assert formulas.use_ghost(90, 512, 512) and not formulas.use_ghost(91, 512, 512)
     assert formulas.use_ghost(1, 4, 4)  # a Linear on (B, d): T = 1
-
-
-def test_one_hot_only_needs_a_one_hot_side_in_every_use():
-    from corrnoise.torch.clipping.formulas import OneHot, one_hot_only
-
-    dense = torch.zeros(2, 1, 3, 4)
-    table = OneHot(torch.zeros(2, 1, 3, dtype=torch.long), 5)
-    assert one_hot_only([(table, dense)]) and one_hot_only([(dense, table), (table, dense)])
-    assert not one_hot_only([(table, dense), (dense, dense)]) and not one_hot_only([(dense, dense)])
+    # a lookup table (every use's one-hot on one side): the segment norm however long the rows,
+    # where the dense rule would materialize (4096^2 * 31290 > 32 * 30522 * 768)
+    assert formulas.use_ghost(4096, 30522, 768, one_hot=True) and not formulas.use_ghost(4096, 30522, 768)
 
 
 def test_one_hot_side_is_the_side_of_every_use():

@@ -142,7 +142,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
-from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_only,
+from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_side,
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
                      fallback_handler, handler_for, layernorm_handler, linear_handler, moe_experts_handler,
@@ -913,7 +913,7 @@ class ClippingEngine:
             if g_ok:
                 u0, v0 = fs[0]
                 t_total = sum(c[1].shape[2] for c in fs)
-                g_ok = use_ghost(t_total, u0.shape[-1], v0.shape[-1], one_hot_only(fs))
+                g_ok = use_ghost(t_total, u0.shape[-1], v0.shape[-1], one_hot_side(fs) is not None)
                 if not g_ok:  # materialized gradients are held until the clipped sum: within the budget
                     g_ok = held + b * p.numel() * itemsize > budget
                     if not g_ok:

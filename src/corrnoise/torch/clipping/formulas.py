@@ -32,7 +32,6 @@ __all__ = [
     "OneHot",
     "GHOST_RATIO",
     "use_ghost",
-    "one_hot_only",
     "one_hot_side",
     "gram",
     "one_hot_norm_sq",
@@ -91,32 +90,26 @@ def use_ghost(total_t: int, p: int, q: int, one_hot: bool = False) -> bool:
     only T > 90 at width 512. The engine still takes the ghost norm where holding the materialized
     gradients would exceed its memory budget (:meth:`.engine.ClippingEngine.clipped_sum`).
 
-    ``one_hot`` (every use of the parameter has a one-hot side, :func:`one_hot_only`: an Embedding,
-    P or Q = vocabulary size): always the norm without the table. With every use's one-hot on the
-    same side it is :func:`one_hot_norm_sq`, each example's rows summed by token: one pass over the
-    B T dense rows, as the ``index_add`` that materializing starts with, before materializing's
-    B V Q tables are zeroed, normed and summed (one-hot sides that differ between uses, a square
-    table looked up both ways, take the Gram matrices of :func:`ghost_norm_sq`). A table with a
-    dense use as well (tied to an LM head) pays that use's dense Gram matrices and book-keeping
-    product, so it follows the dense rule. T is the total number of rows over every use of the
-    parameter (a layer called twice, tied weights), since all uses enter one norm.
+    ``one_hot`` (every use of the parameter has its one-hot side on the same side,
+    :func:`one_hot_side`: an Embedding, P or Q = vocabulary size): always the norm without the
+    table, :func:`one_hot_norm_sq`, each example's rows summed by token: one pass over the B T
+    dense rows, as the ``index_add`` that materializing starts with, before materializing's B V Q
+    tables are zeroed, normed and summed. A table with a dense use as well (tied to an LM head)
+    pays that use's dense Gram matrices and book-keeping product, and one looked up on both sides
+    (a square table) T x T Gram matrices, so both follow the dense rule. T is the total number of
+    rows over every use of the parameter (a layer called twice, tied weights), since all uses
+    enter one norm.
     """
     if one_hot:
         return True
     return total_t * total_t * (p + q) <= GHOST_RATIO * p * q
 
 
-def one_hot_only(factors: list[tuple[object, torch.Tensor]]) -> bool:
-    """Whether every use (factor) of a parameter has a :class:`OneHot` side: the one-hot rule of
-    :func:`use_ghost` applies; a parameter with a dense use too (GPT-2's table tied to its LM head)
-    takes the dense rule, since that use's T^2 (P + Q) Gram matrices dominate its ghost norm."""
-    return all(isinstance(u, OneHot) or isinstance(v, OneHot) for u, v in factors)
-
-
 def one_hot_side(factors: list[tuple[object, torch.Tensor]]) -> int | None:
     """0 if every use of a parameter has its :class:`OneHot` on the row side (an Embedding's table),
     1 if every use has it on the column side (a table stored transposed, peft's ``lora_embedding_A``),
-    None otherwise (a dense use, or one-hot sides that differ between uses)."""
+    None otherwise (a dense use, or one-hot sides that differ between uses): not None is the one-hot
+    rule of :func:`use_ghost` and :func:`one_hot_norm_sq`."""
     sides = {0 if isinstance(u, OneHot) else 1 if isinstance(v, OneHot) else None for u, v in factors}
     return sides.pop() if len(sides) == 1 else None
 
