@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -70,3 +72,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _rank_main(rank: int, fn, args: tuple) -> None:
+    """One rank of :func:`spawn_ranks`: ``fn(rank, *args)``, the process group destroyed, then the
+    process ended without interpreter teardown. gloo's worker threads can abort a process that
+    finalizes the interpreter after a run (SIGABRT, "terminate called without an active exception";
+    seen once in this suite, pytorch/pytorch#179291 describes the race), which would fail a test
+    whose ranks had finished and saved their results. A rank that raises still exits through the
+    exception, so its failure is reported as before."""
+    try:
+        fn(rank, *args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes (as torchrun would start them; start method
+    ``$CORRNOISE_MP_START``, default spawn) and wait for all; raises if any rank failed."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_main, args=(fn, args), nprocs=nprocs, join=True,
+                       start_method=os.environ.get("CORRNOISE_MP_START", "spawn"))

@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from corrnoise.errors import CorrnoiseError
 from corrnoise.noise import make_generator, seed_noise
 from corrnoise.strategies import BLT, DPCGD, Identity, parse_strategy
 from corrnoise.torch.distributed import shard_bounds
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from noise_bounds import stream_mismatch
 
 M, STEPS, CHUNK, SEED = 37, 5, 8, 1234  # shards cut seed chunks: 37 = 19 + 18, chunks of 8
-START = os.environ.get("CORRNOISE_MP_START", "spawn")
 
 
 def _strategies():
@@ -82,7 +80,7 @@ def test_sharded_noise_needs_process_group():
 
 
 def test_two_gloo_processes_gather_single_process_noise(tmp_path):
-    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method=START)
+    spawn_ranks(_worker, (2, free_port(), str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, strategy in _strategies().items():
         single = make_generator(strategy, M, noise_std=1.5, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)
@@ -139,7 +137,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_fsdp_sharded_parameters_are_refused_in_one_line(tmp_path):
     """FSDP's fully_shard works on CPU/gloo, but the clipping engine needs each layer's full
     weight and would have to reduce-scatter the clipped sum: refused, naming module."""
-    mp.start_processes(_fsdp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method=START)
+    spawn_ranks(_fsdp_worker, (2, free_port(), str(tmp_path)), nprocs=2)
     for r in range(2):
         param, message = (tmp_path / f"fsdp{r}.txt").read_text().split("|", 1)
         assert param == "module" and "FSDP" in message and "\n" not in message

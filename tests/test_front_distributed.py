@@ -13,14 +13,12 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from corrnoise.errors import CorrnoiseError
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 
-START = os.environ.get("CORRNOISE_MP_START", "spawn")
 WORLD = 2
 N, B, STEPS, CLIP, NOISE_SEED, SAMPLER_SEED = 15, 5, 4, 0.3, 4321, 7  # local shares of 3 and 2
 # (name, mechanism, DDP-wrapped, max_physical_batch_size): micro-batches of 2 give rank 0 two
@@ -119,7 +117,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method=START)
+    spawn_ranks(_worker, (free_port(), str(out)), nprocs=WORLD)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

@@ -342,11 +342,9 @@ def test_two_processes_make_the_updates_of_one_and_resume_a_checkpoint(tmp_path)
     batch of 1 process x 4 x 2: the same sampler batches, noise rows and final parameters, up to
     float64 rounding; a 2-process checkpoint resumes to the same parameters and guarantee; and
     mechanism="auto" is refused in one line asking for a plan."""
-    import torch.multiprocessing as mp
-    from conftest import free_port
+    from conftest import free_port, spawn_ranks
 
-    start = os.environ.get("CORRNOISE_MP_START", "spawn")
-    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method=start)
+    spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     single = _trainer(tmp_path / "single", model=_gpt2().double(), privacy=DDP_PRIVACY,
