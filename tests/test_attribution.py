@@ -638,7 +638,88 @@ def test_a_router_loss_over_the_batch_is_refused_in_one_line():
     _one_line(err, "module")
     assert check_attribution(engine, _lm_losses(model), batch).worst < 0.1
     with_aux(batch).mean().backward()
-    with pytest.raises(CorrnoiseError, match="logits reach the loss") as err:
+    with pytest.raises(CorrnoiseError, match="the loss reads the model output's aux_loss") as err:
+        engine.clipped_sum(5)
+    _one_line(err, "module")
+    engine.detach()
+
+
+def _z_loss(out) -> torch.Tensor:
+    """A router z-loss computed from the model output's router logits (the batch's mean squared
+    log-partition): a function of every example's routing."""
+    return torch.logsumexp(torch.cat(out.router_logits), dim=-1).square().mean()
+
+
+@pytest.mark.parametrize("case", ["frozen router, aux_loss", "frozen router, z-loss",
+                                  "forward before the engine, z-loss"])
+def test_a_router_loss_is_refused_when_the_router_is_frozen_or_the_model_ran_before_the_engine(case):
+    """Found in review: a frozen router owns no clipped parameter, so no rule ever saw its logits,
+    and a forward before the engine installs transformers' output capturing first, so it recorded
+    the router's own logits instead of the engine's watched copy. Either way a router loss reached
+    the step unrefused, and example 0's clipped norm moved when example 2 was replaced. Now the
+    model output's router losses are watched, a frozen router's logits too, and the engine's hooks
+    come first. The first batch is the plain per-example loss (checked, accepted); then the loss
+    with the router term is refused in clipped_sum, before any noise would be drawn."""
+    model = _moe("mixtral")
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.01
+    if case.startswith("frozen"):
+        model.model.layers[0].mlp.gate.weight.requires_grad_(False)
+    else:
+        with torch.no_grad():
+            model(input_ids=torch.ones(1, 3, dtype=torch.long))
+    batch = _padded()
+    plain = _lm_losses(model)
+
+    def with_router_term(b):
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        term = out.aux_loss if case.endswith("aux_loss") else _z_loss(out)
+        return plain(b) + model.config.router_aux_loss_coef * term
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine = ClippingEngine(model, "mean", 1.0, parameters=params)
+    assert check_attribution(engine, plain, batch).worst < 0.1
+    plain(batch).mean().backward()
+    engine.clipped_sum(5)
+    engine.clear()
+    model.zero_grad()
+    with_router_term(batch).mean().backward()
+    what = "the model output's aux_loss" if case.endswith("aux_loss") else "MixtralTopKRouter's logits"
+    with pytest.raises(CorrnoiseError, match=f"the loss reads {what}") as err:
+        engine.clipped_sum(5)
+    _one_line(err, "module")
+    engine.clear()
+    model.zero_grad()
+    plain(batch).mean().backward()  # the refusal is of that batch: the plain loss steps again
+    engine.clipped_sum(5)
+    engine.detach()
+
+
+def test_a_router_loss_is_refused_for_a_router_that_is_a_plain_linear():
+    """DBRX routes with a plain Linear on the batch's flattened rows (no top-k router class: the
+    check verifies its rows); its logits also route inside the block, so only the model output's
+    aux_loss says that the loss reads the batch's routing. Without that watch the step below was
+    accepted (experts frozen: DBRX's expert GLU has no per-example rule)."""
+    torch.manual_seed(0)
+    model = transformers.DbrxForCausalLM(transformers.DbrxConfig(
+        d_model=32, n_heads=2, n_layers=1, max_seq_len=16, vocab_size=V, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0, attn_config={"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": None},
+        output_router_logits=True, router_aux_loss_coef=0.01))
+    model.transformer.blocks[0].ffn.experts.requires_grad_(False)
+    ids = _padded()["input_ids"]
+
+    def losses(with_aux):
+        def per(b):
+            out = model(input_ids=b)
+            tokens = F.cross_entropy(out.logits[:, :-1].transpose(1, 2), b[:, 1:], reduction="none").mean(1)
+            return tokens + 0.01 * out.aux_loss if with_aux else tokens
+        return per
+
+    engine = ClippingEngine(model, "mean", 1.0, parameters=[p for p in model.parameters() if p.requires_grad])
+    report = check_attribution(engine, losses(False), ids)
+    assert report.flattened == ["transformer.blocks.0.ffn.router.layer"] and report.worst < 0.1
+    losses(True)(ids).mean().backward()
+    with pytest.raises(CorrnoiseError, match="the loss reads the model output's aux_loss") as err:
         engine.clipped_sum(5)
     _one_line(err, "module")
     engine.detach()

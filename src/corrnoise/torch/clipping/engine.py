@@ -135,6 +135,7 @@ import contextlib
 import math
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -145,8 +146,9 @@ from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_side,
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
-                     fallback_handler, handler_for, layernorm_handler, linear_handler, moe_experts_handler,
-                     owned_parameters, rmsnorm_handler, rows_independent, takes_indices)
+                     fallback_handler, handler_for, is_top_k_router, layernorm_handler, linear_handler,
+                     moe_experts_handler, owned_parameters, rmsnorm_handler, router_loss_refusal, rows_independent,
+                     takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -362,16 +364,25 @@ class ClippingEngine:
         for m, (handler, _) in self._owners.items():
             if takes_indices(handler):
                 self._handles.append(m.register_forward_pre_hook(self._shared_indices_hook, with_kwargs=True))
+            # first among the layer's forward hooks (``prepend``): a hook registered before the engine
+            # (transformers' output capturing, installed on a model's first forward) then records the
+            # engine's copy of an output, whose gradient the engine sees, not the original
+            self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True, prepend=True))
             if m in self._skippable:
                 self._handles.append(m.register_forward_pre_hook(self._skip_weight_grads, with_kwargs=True))
-                self._handles.append(m.register_forward_hook(self._restore_weight_grads, always_call=True))
-            self._handles.append(m.register_forward_hook(self._forward_hook, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._restore_weight_grads, always_call=True,
+                                                             prepend=True))
         for i, p in enumerate(self.parameters):
             self._handles.append(p.register_hook(lambda g, i=i: self._param_hook(i, g)))
         self._token_loss_used = False
+        self._router_loss_used: str | None = None
         for sub in module.modules():
             if _batch_token_loss(sub):
                 self._handles.append(sub.register_forward_hook(self._token_loss_hook, with_kwargs=True))
+            if _is_pretrained_model(sub):
+                self._handles.append(sub.register_forward_hook(self._router_loss_hook))
+            if is_top_k_router(sub) and sub not in self._owners:  # a frozen router: its logits are still watched
+                self._handles.append(sub.register_forward_hook(self._router_logits_hook, prepend=True))
 
     def _take_over(self, module: nn.Module) -> None:
         """One live engine per layer: an earlier engine hooked on ``module`` or any of the layers this
@@ -629,6 +640,35 @@ class ClippingEngine:
         self._token_loss_used = True
         return None
 
+    def _router_loss_hook(self, m: nn.Module, args, output):
+        """A transformers model's router losses in its output (fields named ``*aux_loss``,
+        ``*z_loss``, :func:`.layers.router_loss_refusal`): if the user's backward goes through one,
+        :meth:`clipped_sum` refuses the batch, whether or not the routers train."""
+        if self._computing or not torch.is_grad_enabled() or not isinstance(output, Mapping):
+            return None
+        for key, value in output.items():
+            if (isinstance(key, str) and key.endswith(("aux_loss", "z_loss")) and isinstance(value, torch.Tensor)
+                    and value.requires_grad):
+                value.register_hook(lambda g, what=f"the model output's {key}": self._note_router_loss(what))
+        return None
+
+    def _router_logits_hook(self, m: nn.Module, args, output):
+        """A top-k router the engine does not clip (frozen): its logits are returned as a copy whose
+        gradient marks the batch for refusal, as :func:`.layers.fallback_handler` refuses a clipped
+        router's (within the block only the top-k weights reach the output; a gradient on the
+        logits is the loss reading them)."""
+        if (self._computing or not torch.is_grad_enabled() or not isinstance(output, tuple) or not output
+                or not isinstance(output[0], torch.Tensor) or not output[0].requires_grad):
+            return None
+        logits = output[0].clone()
+        logits.register_hook(lambda g, what=f"{type(m).__name__}'s logits": self._note_router_loss(what))
+        return (logits, *output[1:])
+
+    def _note_router_loss(self, what: str) -> None:
+        if self._router_loss_used is None:
+            self._router_loss_used = what
+        return None
+
     def _flattened(self, m: nn.Module, handler, nb: int, n: int) -> bool:
         """Whether a call of ``m`` with ``nb`` rows in a batch of ``n`` examples is read as the batch
         flattened, example-major ((n, nb / n, ...): OPT's decoder layers reshape (B, T, d) to
@@ -749,6 +789,7 @@ class ClippingEngine:
         self._recomputed.clear()
         self._backward_seen = False
         self._token_loss_used = False
+        self._router_loss_used = None
         self._unexpanded.clear()
         self._expanded.clear()
         self._pending_probe.clear()
@@ -887,6 +928,8 @@ class ClippingEngine:
                 "loss", "the model's built-in loss (labels=) averages over the batch's labelled tokens, so each "
                 "example's gradient would depend on the other examples' lengths: compute one loss per example from "
                 "out.logits (each sequence's mean token loss), or pass num_items_in_batch=<batch size> to the model")
+        if self._router_loss_used is not None:
+            raise router_loss_refusal(self._router_loss_used)
         n = check_int("batch_size", batch_size, minimum=0)
         factors, dense, b, acc = self._contributions(n)
         for i in range(len(self.parameters)):
@@ -1082,6 +1125,12 @@ def _materialize_budget(factors, dense) -> int:
 
 #: transformers' built-in losses (``LOSS_MAPPING`` keys) that average over the batch's labelled tokens
 _TOKEN_LOSSES = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification", "ForConditionalGeneration")
+
+
+def _is_pretrained_model(m: nn.Module) -> bool:
+    """A transformers model (a ``PreTrainedModel`` subclass, found by class name: the integration is
+    optional), whose output may carry router losses (:meth:`ClippingEngine._router_loss_hook`)."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__)
 
 
 def _batch_token_loss(m: nn.Module) -> bool:

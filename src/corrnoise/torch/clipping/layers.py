@@ -42,6 +42,7 @@ from ...errors import CorrnoiseError, first_line
 from .formulas import OneHot, as_dtype
 
 __all__ = ["LAYER_HANDLERS", "register_layer", "handler_for", "is_conv1d_like", "fallback_handler", "rows_independent",
+           "router_loss_refusal", "is_top_k_router",
            "unfold_conv", "is_moe_experts", "moe_experts_handler", "MOE_FACTOR_BYTES",
            "call_batch_size", "embedding_handler", "expand_shared_indices", "is_peft_lora_embedding",
            "owned_parameters", "peft_lora_embedding_handler", "takes_indices"]
@@ -489,7 +490,7 @@ def rows_independent(module: nn.Module) -> bool:
     the tokens past it by the load of the whole batch, mixing examples) is not.
     """
     experts = hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
-    return (experts or _top_k_router(module)) and not any("capacity" in k.lower() for k in vars(module))
+    return (experts or is_top_k_router(module)) and not any("capacity" in k.lower() for k in vars(module))
 
 
 def _is_kv_cache(v) -> bool:
@@ -498,20 +499,28 @@ def _is_kv_cache(v) -> bool:
     return any(c.__name__ == "Cache" and "cache" in c.__module__ for c in type(v).__mro__)
 
 
-def _top_k_router(module: nn.Module) -> bool:
+def is_top_k_router(module: nn.Module) -> bool:
+    """A mixture-of-experts top-k router (class name ending in "TopKRouter", an int ``top_k``): it
+    returns (logits, top-k weights, indices), and within its block only the weights reach the output."""
     return type(module).__name__.lower().endswith("topkrouter") and isinstance(getattr(module, "top_k", None), int)
+
+
+def router_loss_refusal(what: str) -> CorrnoiseError:
+    """The one-line refusal of a loss that reads a mixture-of-experts router's logits or a router loss
+    (``what``: the router's class, or the model output's field): transformers' load-balancing and
+    z-losses (``output_router_logits=True`` with ``router_aux_loss_coef``) are functions of the
+    whole batch's routing, so every example's share of the gradient would depend on the others."""
+    return CorrnoiseError("module", f"the loss reads {what} (a router loss such as transformers' load-balancing "
+                          "aux_loss, output_router_logits=True, is a function of the whole batch's routing): leave it "
+                          "out of the loss (output_router_logits=False, or compute the loss from out.logits)")
 
 
 def _refuse_router_logits_in_loss(module: nn.Module, grad_outs) -> None:
     """A top-k router returns (logits, top-k weights, indices); within its block only the weights
-    reach the output. A gradient on the logits means the loss reads them directly: transformers'
-    load-balancing and z-losses (``output_router_logits=True`` with ``router_aux_loss_coef``) are
-    functions of the whole batch's routing, so every example's share would depend on the others."""
-    if _top_k_router(module) and len(grad_outs) > 1 and grad_outs[0] is not None:
-        raise CorrnoiseError("module", f"{type(module).__name__}'s logits reach the loss (a router loss such as "
-                             "transformers' load-balancing aux_loss, output_router_logits=True, is a function of the "
-                             "whole batch's routing): leave it out of the loss (output_router_logits=False, or compute "
-                             "the loss from out.logits)")
+    reach the output. A gradient on the logits means the loss reads them directly
+    (:func:`router_loss_refusal`)."""
+    if is_top_k_router(module) and len(grad_outs) > 1 and grad_outs[0] is not None:
+        raise router_loss_refusal(f"{type(module).__name__}'s logits")
 
 
 def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None, flat=False):
