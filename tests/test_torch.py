@@ -438,6 +438,27 @@ def test_empty_poisson_batches_still_use_their_noise_row(backward_on_empty):
     torch.testing.assert_close(model.weight.detach(), want, rtol=1e-10, atol=1e-12)
 
 
+def test_an_empty_batch_of_a_collator_that_returns_a_mapping_is_empty_and_its_own_object():
+    """transformers' collators return a BatchEncoding (a mapping, not a dict): an empty Poisson
+    batch was the template itself, one row of the dataset's first item, the same object every
+    time. Now it is a new mapping of the collator's type with 0 rows."""
+    transformers = pytest.importorskip("transformers")
+    from corrnoise.torch.loader import _Collate
+
+    items = [{"input_ids": torch.tensor([1, 2, 3])}, {"input_ids": torch.tensor([4, 5])}]
+
+    def collate(batch):
+        return transformers.BatchEncoding({"input_ids": torch.nn.utils.rnn.pad_sequence(
+            [b["input_ids"] for b in batch], batch_first=True)})
+
+    c = _Collate(items, collate)
+    first, second = c([]), c([])
+    assert type(first) is transformers.BatchEncoding and first is not second and first is not c.template
+    assert first["input_ids"].shape == (0, 3) and c.template["input_ids"].shape == (1, 3)
+    first["tag"] = 1
+    assert "tag" not in second and "tag" not in c.template
+
+
 def test_fixed_size_balls_in_bins_batches_pad_with_zero_weight():
     """Seed 000 App. I: always B entries, padding entries weighted 0, always divided by B."""
     model = _mlp()

@@ -11,6 +11,8 @@ same global batch and yields its own share (:func:`.distributed.local_batch`).
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Iterator
 
 import torch
@@ -60,11 +62,22 @@ class _Collate:
 
 
 def _empty_like(value):
+    """``value`` (a collated batch) with every tensor cut to 0 rows, as a new container each call:
+    a mapping that is not a dict (transformers' ``BatchEncoding``, what its collators return) was
+    returned as it was, one row of the dataset's first item, the same object for every empty batch
+    (found in review: a step with two empty micro-batches stopped the Trainer)."""
     if isinstance(value, torch.Tensor):
         return value[:0]
     if isinstance(value, (list, tuple)):
         return type(value)(_empty_like(v) for v in value)
-    if isinstance(value, dict):
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _empty_like(v) for k, v in value.items()}
+    if isinstance(value, MutableMapping):  # its own type (BatchEncoding, OrderedDict), a fresh copy
+        out = copy.copy(value)
+        for k in list(value.keys()):
+            out[k] = _empty_like(value[k])
+        return out
+    if isinstance(value, Mapping):
         return {k: _empty_like(v) for k, v in value.items()}
     return value
 
