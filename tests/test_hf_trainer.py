@@ -375,6 +375,82 @@ def _mixtral(**kw):
     return transformers.MixtralForCausalLM(cfg)
 
 
+@seeded
+def test_a_collator_that_returns_a_batch_encoding_trains_through_empty_micro_batches(tmp_path):
+    """transformers' collators return a BatchEncoding; with Poisson batches cut into 4 micro-batches
+    a step has several empty ones, which were one shared object (the training stopped at the
+    second, "not a batch of the private train loader"). Now every step is taken."""
+    def collate(items):
+        return transformers.BatchEncoding(transformers.default_data_collator(items))
+
+    privacy = dict(PRIVACY, mechanism="identity", batching="poisson", seed=3)
+    trainer = PrivateTrainer(model=_gpt2(), args=_args(tmp_path, per_device_train_batch_size=1,
+                                                       gradient_accumulation_steps=4, max_steps=6),
+                             train_dataset=_Texts(), data_collator=collate, privacy=privacy)
+    trainer.train()
+    sizes = [len(trainer.private_optimizer.sampler.batch(t)) for t in range(6)]
+    assert min(sizes) <= 2  # a step with two or more empty micro-batches
+    assert trainer.private_optimizer.steps_taken == trainer.state.global_step == 6
+
+
+def _left_padded(rows, width):
+    """A causal LM batch as a tokenizer with padding_side="left" makes it (pad id 0, labels -100 there)."""
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_a_left_padded_batch_gives_each_example_the_loss_and_gradient_it_has_alone(tmp_path):
+    """Found in review: with left padding (many chat tokenizers' default) an example's tokens sit at
+    positions set by the longest example of its batch, so its loss and the gradient clipped as its
+    own depended on the others (4.0957 next to a 2-token example, 4.2198 next to a 12-token one),
+    and the attribution check, cutting rows out of the padded batch, did not see it. The trainer
+    now moves each row's padding to its end: example A's loss and gradient are those of A alone,
+    whoever shares its batch (float64)."""
+    trainer = _trainer(tmp_path, model=_gpt2().double())
+    model = trainer.model
+    a, short, long_ = [5, 6, 7], [8, 9], list(range(10, 18))
+    params = [p for p in model.parameters()]
+
+    def loss_and_grad(rows, width):
+        losses, _ = trainer._example_losses(model, _left_padded(rows, width))
+        return losses[0], torch.autograd.grad(losses[0], params)
+
+    alone = loss_and_grad([a], len(a))
+    for rows in ([a, short], [a, long_]):
+        loss, grads = loss_and_grad(rows, max(map(len, rows)))
+        torch.testing.assert_close(loss, alone[0], rtol=1e-12, atol=0)
+        for g, ref in zip(grads, alone[1]):
+            torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-12)
+    # the rows as the model saw them: A's tokens first, its padding after, the labels with them
+    moved = _right_aligned_batch(_left_padded([a, long_], 8))
+    assert moved["input_ids"][0].tolist() == a + [0] * 5 and moved["labels"][0].tolist() == a + [-100] * 5
+    assert moved["attention_mask"][0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0] and moved["input_ids"][1].tolist() == long_
+
+
+def _right_aligned_batch(batch, config=None):
+    from corrnoise.integrations.transformers import _right_aligned
+
+    return _right_aligned(batch, config)
+
+
+def test_left_padding_that_cannot_be_moved_is_refused_in_one_line(tmp_path):
+    """An encoder-decoder model's left-padded encoder input (its labels run along the decoder's
+    positions), and a left-padded batch with another tensor of the tokens' shape (which may or may
+    not run along them): one line naming the collator, suggesting right padding."""
+    batch = _left_padded([[5, 6, 7], [8, 9, 10, 11]], 4)
+    with pytest.raises(CorrnoiseError, match="padding_side = 'right'") as err:
+        _right_aligned_batch(batch, transformers.T5Config())
+    _one_line(err, "data_collator")
+    with pytest.raises(CorrnoiseError, match="pixel_mask has the tokens' shape") as err:
+        _right_aligned_batch(dict(batch, pixel_mask=torch.ones(2, 4)))
+    _one_line(err, "data_collator")
+    right = {k: v.flip(1) for k, v in batch.items()}  # padded on the right: returned as it is
+    assert _right_aligned_batch(right, transformers.T5Config()) is right
+
+
 def test_a_mixture_of_experts_fine_tunes_its_experts_and_refuses_the_router_loss(tmp_path):
     """Mixtral's routers and experts train under PrivateTrainer (its first batch's check verifies the
     flattened rows); a model configured to add the routers' load-balancing loss, which the
@@ -975,6 +1051,31 @@ def test_trl_dpo_refuses_a_collator_without_trls_preference_rows():
             _PairRows(lambda _, b=batch: dict(b))([None] * 3)
         _one_line(err, "data_collator")
         assert what in str(err.value)
+
+
+def test_trl_dpo_refuses_a_collator_that_is_not_trls(tmp_path):
+    """Found in review: a collator subclassing trl's that interleaves the rows (chosen 0, rejected 0,
+    chosen 1, ...) has the right shapes, so pair j was read from rows j and B + j, two pairs' rows,
+    each example in two clipping units, and the attribution check passed. Only trl's own
+    preference collator is taken (by its exact class); trl's default one trains (the tests above)."""
+    train, tokenizer, config = _dpo_parts(tmp_path)
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from corrnoise.integrations import PrivateDPOTrainer
+
+    class Interleaved(DataCollatorForPreference):
+        def torch_call(self, examples):
+            out = super().torch_call(examples)
+            b = len(examples)
+            order = torch.stack([torch.arange(b), torch.arange(b) + b], 1).flatten()
+            return {k: v[order] if k in ("input_ids", "attention_mask", "completion_mask") else v
+                    for k, v in out.items()}
+
+    policy, reference = _policy_and_reference()
+    with pytest.raises(CorrnoiseError, match="Interleaved is not trl's preference collator") as err:
+        PrivateDPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=train,
+                          processing_class=tokenizer, data_collator=Interleaved(pad_token_id=0), privacy=PRIVACY)
+    _one_line(err, "data_collator")
 
 
 @seeded

@@ -24,7 +24,11 @@ for a multiple-choice model. The loss per pair is trl's ``loss_type`` list weigh
 APO-zero / -down, DiscoPOP), with trl's f-divergence scores (:func:`f_divergence_scores`); each
 pair's mean of them equals trl's loss on the same batch (tested for every type). The reference
 log-probabilities are trl's (its reference model, peft's adapters switched off, or the
-precomputed column), computed without gradients. Refused: the loss types that are no function of
+precomputed column), computed without gradients. With trl 1.16 and peft 0.21, a LoRA policy without
+a ``ref_model`` was measured (review, 2026-11-27) to get reference log-probabilities equal to the
+policy's with its adapter on, in plain ``trl.DPOTrainer`` as here: the reference then moves with
+the policy (each pair's loss is still its own, so the guarantee holds). Pass ``ref_model`` or
+``precompute_ref_log_probs=True`` for a fixed reference. Refused: the loss types that are no function of
 one pair ("aot" and "aot_unpaired" sort the batch, "sft" averages its tokens), ``ld_alpha``,
 ``use_weighting``, ``padding_free``, ``activation_offloading`` and a mixture-of-experts router
 loss (one line each). Evaluation is trl's.
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import trl
+from trl.trainer import dpo_trainer as _trl_dpo
 
 from ..errors import CorrnoiseError
 from .transformers import PrivateTrainer, _output
@@ -97,6 +102,7 @@ class PrivateDPOTrainer(PrivateTrainer, trl.DPOTrainer):
             _refuse_dpo_settings(config)  # before trl tokenizes anything
         super().__init__(*args, privacy=privacy, plan=plan, **kwargs)
         _refuse_dpo_settings(self.args, router_loss=self.aux_loss_enabled)
+        _refuse_custom_collator(self.data_collator)
 
     def _training_data(self):
         dataset, collator = super()._training_data()
@@ -348,6 +354,24 @@ def _pair_losses(args) -> list[tuple]:
          "or use loss_type 'robust'"),
     ])
     return [(PAIR_LOSSES[t], float(w)) for t, w in zip(types, weights)]
+
+
+#: trl's preference collators: a batch of B pairs as 2B rows, the B chosen then the B rejected
+#: (what :class:`_PairRows` reads)
+_TRL_PREFERENCE_COLLATORS = tuple(getattr(_trl_dpo, name) for name in
+                                  ("DataCollatorForPreference", "DataCollatorForVisionPreference")
+                                  if hasattr(_trl_dpo, name))
+
+
+def _refuse_custom_collator(collator) -> None:
+    """Another collator than trl's own (:data:`_TRL_PREFERENCE_COLLATORS`, by exact class): its
+    2B rows have the right shapes whatever their order, so pair j would be read from rows j and
+    B + j even where they hold two pairs' rows (found in review: an interleaving collator's pairs
+    mixed two examples, each in two clipping units, unrefused; the attribution check passed)."""
+    if type(collator) not in _TRL_PREFERENCE_COLLATORS:
+        raise CorrnoiseError("data_collator", f"{type(collator).__name__} is not trl's preference collator: "
+                             "PrivateDPOTrainer reads pair j from rows j and B + j as trl's DataCollatorForPreference "
+                             "lays them out (the B chosen, then the B rejected); leave data_collator unset")
 
 
 def _refuse_dpo_settings(args, router_loss: bool = False) -> None:
