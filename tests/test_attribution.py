@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from corrnoise.errors import CorrnoiseError
 from corrnoise.torch import make_private
 from corrnoise.torch.clipping import ClippingEngine
-from corrnoise.torch.clipping.attribution import ATTRIBUTION_RTOL, check_attribution, example_of
+from corrnoise.torch.clipping.attribution import (ATTRIBUTION_RTOL, check_attribution, example_of, left_padding,
+                                                 right_aligned)
 
 
 class _PositionTable(nn.Module):
@@ -475,6 +476,50 @@ def _vision(kind):
         if "relative_position_bias" in name:
             p.requires_grad_(False)  # a table shared by the batch: refused when trainable
     return m
+
+
+def _left_padded():
+    """_padded()'s rows with their padding before the tokens (a tokenizer's padding_side="left")."""
+    batch = _padded()
+    lead = (batch["attention_mask"] == 0).sum(1)
+    index = (torch.arange(L)[None] - lead[:, None]) % L
+    return {k: v.gather(1, index) if v.dim() == 2 else v for k, v in batch.items()}
+
+
+def test_the_check_compares_with_each_example_alone_so_left_padding_that_moves_positions_is_refused():
+    """Found in review: the check cut example j out of the padded batch, left padding included, so a
+    model whose positions start at the row's first column (GPT-2's learned positions) passed while
+    each example's loss depended on the longest in its batch. Example j is now taken as it is alone,
+    its tokens first (right_aligned): GPT-2 on a left-padded batch is refused in one line that
+    names the padding; OPT, which numbers positions from the attention mask, passes on it; GPT-2
+    on the same batch right-aligned passes."""
+    left = _left_padded()
+    assert left_padding(_padded()) is None and left_padding(left).tolist() == [0, 7, 3, 0, 9]
+    aligned = right_aligned(left)
+    for k in ("input_ids", "attention_mask"):
+        assert torch.equal(aligned[k], _padded()[k])
+    assert torch.equal(example_of(left, 1, 5)["input_ids"], _padded()["input_ids"][1:2])
+
+    def real_targets(model):  # each sequence's mean loss over the targets predicted from a real token
+        def losses(b):
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+            tokens = F.cross_entropy(logits.transpose(1, 2), b["input_ids"][:, 1:], reduction="none")
+            w = (b["attention_mask"][:, 1:] * b["attention_mask"][:, :-1]).to(tokens.dtype)
+            return (tokens * w).sum(1) / w.sum(1)
+        return losses
+
+    model, _ = _hf("gpt2")
+    losses = real_targets(model)
+    engine = ClippingEngine(model, "mean", 1.0)
+    with pytest.raises(CorrnoiseError, match="padded on the left") as err:
+        check_attribution(engine, losses, left, examples=5)
+    _one_line(err, "model")
+    assert check_attribution(engine, losses, aligned, examples=5).worst < 0.1
+    engine.detach()
+    model, _ = _hf("opt")
+    engine = ClippingEngine(model, "mean", 1.0)
+    assert check_attribution(engine, real_targets(model), left, examples=5).worst < 0.1
+    engine.detach()
 
 
 @pytest.mark.parametrize("kind", ["vit", "convnext", "swin"])

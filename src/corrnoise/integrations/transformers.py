@@ -100,6 +100,7 @@ from ..errors import CorrnoiseError
 from ..runplan import RunPlan, is_planned, parse_mechanism
 from ..strategies import Strategy, mechanism_fingerprint
 from ..torch import make_private
+from ..torch.clipping.attribution import TOKEN_ALIGNED, left_padding, right_aligned
 from ..torch.dp_optimizer import DPOptimizer
 from ..torch.loader import DPDataLoader
 
@@ -670,50 +671,30 @@ def _shifted_right(labels: torch.Tensor, config, name: str) -> torch.Tensor:
     return shifted.masked_fill(shifted == -100, pad)
 
 
-#: a batch's tensors that run along its tokens, one entry per position of ``attention_mask``
-#: (:func:`_right_aligned` moves them with the tokens)
-_TOKEN_ALIGNED = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels", "inputs_embeds",
-                  "special_tokens_mask", "completion_mask", "assistant_masks")
-
-
-def _right_aligned(inputs, config) -> dict[str, Any]:
-    """The batch with each row's leading padding moved to its end: a left-padded row (a tokenizer
+def _right_aligned(inputs, config) -> Any:
+    """The batch with each row's leading padding moved to its end (:func:`.right_aligned` of the
+    attribution check, which compares with each example alone so): a left-padded row (a tokenizer
     with ``padding_side="left"``, as many chat models' are) puts an example's tokens at positions
     that depend on the longest example of its batch, so its loss, and the gradient clipped as its
-    own, would depend on the others (found in review: up to 44% off in a clipped sum, with the
-    attribution check passing, since it cuts rows out of the padded batch). Right-aligned, each
-    example's tokens sit at positions 0..L-1 as they would alone, and the padding after them is
-    masked out. The tensors of :data:`_TOKEN_ALIGNED` move with the tokens; a batch without left
-    padding is returned as it is. Refused in one line: an encoder-decoder model's left-padded
-    encoder input (its labels run along other positions), and another (B, T, ...) tensor, which
-    may or may not run along the tokens."""
-    mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
-        return inputs
-    lead = (mask.cumsum(1) == 0).sum(1)  # each row's leading padding
-    lead = torch.where(lead == mask.shape[1], torch.zeros_like(lead), lead)  # an all-padding row stays
-    if not bool((lead > 0).any()):
+    own, would depend on the others (found in review: up to 44% off in a clipped sum, unrefused).
+    Refused in one line: an encoder-decoder model's left-padded encoder input (its labels run along
+    other positions), and another (B, T, ...) tensor, which may or may not run along the tokens."""
+    lead = left_padding(inputs)
+    if lead is None:
         return inputs
     if getattr(config, "is_encoder_decoder", False):
         raise CorrnoiseError("data_collator", "pads the encoder's input on the left, which moves each example's "
                              "tokens by the longest example of its batch: pad on the right (tokenizer.padding_side = "
                              "'right')")
-    b, t = mask.shape
-    others = [k for k, v in inputs.items() if k not in _TOKEN_ALIGNED and isinstance(v, torch.Tensor)
+    b, t = inputs["attention_mask"].shape
+    others = [k for k, v in inputs.items() if k not in TOKEN_ALIGNED and isinstance(v, torch.Tensor)
               and v.dim() >= 2 and tuple(v.shape[:2]) == (b, t)]
     if others:
         raise CorrnoiseError("data_collator", f"pads on the left and the batch's {', '.join(others)} has the tokens' "
                              "shape: moving each example's tokens to the start of its row (so that they sit where they "
                              "would alone) cannot tell whether it runs along them; pad on the right "
                              "(tokenizer.padding_side = 'right')")
-    index = (torch.arange(t, device=mask.device).view(1, t) + lead.view(b, 1)) % t  # row i from its first token
-    out = dict(inputs)
-    for key in _TOKEN_ALIGNED:
-        v = out.get(key)
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, t):
-            idx = index.to(v.device).view(b, t, *([1] * (v.dim() - 2))).expand(v.shape)
-            out[key] = torch.gather(v, 1, idx)
-    return out
+    return right_aligned(inputs, lead)
 
 
 def _config_of(model):

@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_map
 from ...errors import CorrnoiseError, check_int
 from .engine import shared_by_batch_advice
 
-__all__ = ["ATTRIBUTION_RTOL", "AttributionReport", "attribution_tolerance", "check_attribution", "example_of"]
+__all__ = ["ATTRIBUTION_RTOL", "AttributionReport", "TOKEN_ALIGNED", "attribution_tolerance", "check_attribution",
+           "example_of", "left_padding", "right_aligned"]
 
 #: relative tolerance on one parameter's per-example gradient, by the dtype computed in. The engine
 #: and the reference compute the same gradient in a different order (a batched product against one
@@ -86,15 +87,56 @@ def attribution_tolerance(dtype: torch.dtype) -> float:
     return ATTRIBUTION_RTOL.get(dtype, max(ATTRIBUTION_RTOL.values()))
 
 
+#: a tokenized batch's tensors that run along its tokens, one entry per position of its
+#: ``attention_mask`` (transformers' names): :func:`right_aligned` moves them with the tokens
+TOKEN_ALIGNED = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels", "inputs_embeds",
+                 "special_tokens_mask", "completion_mask", "assistant_masks")
+
+
+def left_padding(batch: Any) -> torch.Tensor | None:
+    """(B,) each row's leading padding, from a mapping's 2-D ``attention_mask`` (0 on padding), or
+    None when no row has any (right padding, no padding, no such mask). A row that is all padding
+    counts as none."""
+    mask = batch.get("attention_mask") if hasattr(batch, "get") else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return None
+    lead = (mask.cumsum(1) == 0).sum(1)
+    lead = torch.where(lead == mask.shape[1], torch.zeros_like(lead), lead)
+    return lead if bool((lead > 0).any()) else None
+
+
+def right_aligned(batch: Any, lead: torch.Tensor | None = None) -> Any:
+    """``batch`` with each row's leading padding moved to its end (``lead``: :func:`left_padding`):
+    the tensors of :data:`TOKEN_ALIGNED` whose first two dimensions are the mask's are rolled along
+    the tokens, so that each example's tokens sit at positions 0..L-1, where they are when it is
+    alone. Left padding moves them by the longest example of the batch, so an example's loss
+    depends on the others (through position embeddings and rotary positions). A batch without
+    left padding is returned as it is; otherwise a new dict."""
+    lead = left_padding(batch) if lead is None else lead
+    if lead is None:
+        return batch
+    b, t = batch["attention_mask"].shape
+    index = (torch.arange(t, device=lead.device).view(1, t) + lead.view(b, 1)) % t  # row i from its first token
+    out = dict(batch)
+    for key in TOKEN_ALIGNED:
+        v = out.get(key)
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, t):
+            idx = index.to(v.device).view(b, t, *([1] * (v.dim() - 2))).expand(v.shape)
+            out[key] = torch.gather(v, 1, idx)
+    return out
+
+
 def example_of(batch: Any, j: int, batch_size: int) -> Any:
-    """Example ``j`` of ``batch`` as a batch of one: every tensor whose first dimension is the
-    batch size is cut to row ``j`` (keeping the dimension); other leaves are left as they are."""
+    """Example ``j`` of ``batch`` as a batch of one, as it would be alone: every tensor whose first
+    dimension is the batch size is cut to row ``j`` (keeping the dimension), other leaves are left as
+    they are, and a left-padded row is right-aligned (:func:`right_aligned`), since alone the
+    example has no padding before its tokens."""
     def cut(t):
         if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == batch_size:
             return t[j:j + 1]
         return t
 
-    return tree_map(cut, batch)
+    return right_aligned(tree_map(cut, batch))
 
 
 def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], batch: Any, *,
@@ -156,11 +198,13 @@ def check_attribution(engine, per_example_loss: Callable[[Any], torch.Tensor], b
                                unexercised=[n for n in names if n in untouched])
     if worst > 1.0:
         name, j = where
+        padded = (" The batch is padded on the left, which moves each example's tokens by the longest one's: pad on "
+                  "the right (tokenizer.padding_side = 'right').") if left_padding(batch) is not None else ""
         raise CorrnoiseError(
             "model", f"example {j}'s gradient of '{name}' from the batch of {b} is not its gradient computed alone "
             f"({worst:.3g}x the tolerance): the loss mixes examples (compute each example's loss from its own "
             f"outputs alone), or a layer sees the batch other than on dim 0 (a table of length {b} called without "
-            "the batch?: freeze that layer)")
+            f"the batch?: freeze that layer).{padded}")
     engine._verify_layouts(seen)  # flattened rows example-major, shared outputs broadcast
     return report
 
