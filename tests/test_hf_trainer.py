@@ -1156,6 +1156,34 @@ def _task_data(task, n=N, length=8):
     return data
 
 
+def test_a_left_padded_multiple_choice_batch_gives_each_example_its_loss_alone(tmp_path):
+    """A multiple-choice batch's (B, choices, T) rows padded on the left are right-aligned choice by
+    choice: example A's loss (float64) is the same next to an example with short choices and one
+    with long choices, and equals A's alone."""
+    model = _task_model("choice").double()
+    trainer = PrivateTrainer(model=model, args=_args(tmp_path), train_dataset=_task_data("choice"), privacy=PRIVACY)
+    g = torch.Generator().manual_seed(2)
+
+    def example(lengths):
+        return [torch.randint(1, V, (n,), generator=g).tolist() for n in lengths], torch.tensor(1)
+
+    def batch(examples):
+        width = max(len(c) for choices, _ in examples for c in choices)
+        ids = torch.zeros(len(examples), 3, width, dtype=torch.long)
+        for i, (choices, _) in enumerate(examples):
+            for c, toks in enumerate(choices):
+                ids[i, c, width - len(toks):] = torch.tensor(toks)
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(),
+                "labels": torch.stack([y for _, y in examples])}
+
+    a, short, long_ = example([3, 4, 2]), example([2, 2, 2]), example([9, 7, 8])
+    alone = trainer._example_losses(model, batch([a]))[0][0]
+    for other in (short, long_):
+        torch.testing.assert_close(trainer._example_losses(model, batch([a, other]))[0][0], alone, rtol=1e-12, atol=0)
+    moved = _right_aligned_batch(batch([a, long_]))
+    assert moved["input_ids"][0, 2].tolist()[:3] == [*a[0][2], 0] and moved["labels"].tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("task", ["choice", "span"])
 def test_multiple_choice_and_question_answering_losses_are_the_models_per_example(tmp_path, task):
     """Their per-example losses, averaged, are the model's own loss (question answering's where no

@@ -686,9 +686,9 @@ def _right_aligned(inputs, config) -> Any:
         raise CorrnoiseError("data_collator", "pads the encoder's input on the left, which moves each example's "
                              "tokens by the longest example of its batch: pad on the right (tokenizer.padding_side = "
                              "'right')")
-    b, t = inputs["attention_mask"].shape
+    shape = tuple(inputs["attention_mask"].shape)
     others = [k for k, v in inputs.items() if k not in TOKEN_ALIGNED and isinstance(v, torch.Tensor)
-              and v.dim() >= 2 and tuple(v.shape[:2]) == (b, t)]
+              and tuple(v.shape[:len(shape)]) == shape]
     if others:
         raise CorrnoiseError("data_collator", f"pads on the left and the batch's {', '.join(others)} has the tokens' "
                              "shape: moving each example's tokens to the start of its row (so that they sit where they "

@@ -94,20 +94,21 @@ TOKEN_ALIGNED = ("input_ids", "attention_mask", "token_type_ids", "position_ids"
 
 
 def left_padding(batch: Any) -> torch.Tensor | None:
-    """(B,) each row's leading padding, from a mapping's 2-D ``attention_mask`` (0 on padding), or
-    None when no row has any (right padding, no padding, no such mask). A row that is all padding
-    counts as none."""
+    """Each row's leading padding, shape the mask's without its last dimension, from a mapping's
+    ``attention_mask`` (0 on padding; (B, T), or (B, C, T) for a multiple-choice model's choices),
+    or None when no row has any (right padding, no padding, no such mask). A row that is all
+    padding counts as none."""
     mask = batch.get("attention_mask") if hasattr(batch, "get") else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] < 2:
         return None
-    lead = (mask.cumsum(1) == 0).sum(1)
-    lead = torch.where(lead == mask.shape[1], torch.zeros_like(lead), lead)
+    lead = (mask.cumsum(-1) == 0).sum(-1)
+    lead = torch.where(lead == mask.shape[-1], torch.zeros_like(lead), lead)
     return lead if bool((lead > 0).any()) else None
 
 
 def right_aligned(batch: Any, lead: torch.Tensor | None = None) -> Any:
     """``batch`` with each row's leading padding moved to its end (``lead``: :func:`left_padding`):
-    the tensors of :data:`TOKEN_ALIGNED` whose first two dimensions are the mask's are rolled along
+    the tensors of :data:`TOKEN_ALIGNED` whose leading dimensions are the mask's are rolled along
     the tokens, so that each example's tokens sit at positions 0..L-1, where they are when it is
     alone. Left padding moves them by the longest example of the batch, so an example's loss
     depends on the others (through position embeddings and rotary positions). A batch without
@@ -115,14 +116,15 @@ def right_aligned(batch: Any, lead: torch.Tensor | None = None) -> Any:
     lead = left_padding(batch) if lead is None else lead
     if lead is None:
         return batch
-    b, t = batch["attention_mask"].shape
-    index = (torch.arange(t, device=lead.device).view(1, t) + lead.view(b, 1)) % t  # row i from its first token
+    shape = tuple(batch["attention_mask"].shape)
+    t = shape[-1]
+    index = (torch.arange(t, device=lead.device) + lead.unsqueeze(-1)) % t  # each row from its first token
     out = dict(batch)
     for key in TOKEN_ALIGNED:
         v = out.get(key)
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, t):
-            idx = index.to(v.device).view(b, t, *([1] * (v.dim() - 2))).expand(v.shape)
-            out[key] = torch.gather(v, 1, idx)
+        if isinstance(v, torch.Tensor) and tuple(v.shape[:len(shape)]) == shape:
+            idx = index.to(v.device).view(*shape, *([1] * (v.dim() - len(shape)))).expand(v.shape)
+            out[key] = torch.gather(v, len(shape) - 1, idx)
     return out
 
 
