@@ -1059,7 +1059,10 @@ class ClippingEngine:
                 if float((unclipped - ref).norm()) > 1e-2 * float(ref.norm()) + 1e-6 * max(1.0, float(unclipped.norm())):
                     check_fail.append(self.names[i])
         if check and all_finite:
-            self._verified = True
+            # verified only by a sum that adds up: a refused batch leaves the check on, so every
+            # later batch is checked (and refused) again (found in review: once refused, the next
+            # step was accepted unchecked)
+            self._verified = not check_fail
             self._autograd.clear()
             if check_fail:
                 raise CorrnoiseError(
