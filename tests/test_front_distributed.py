@@ -187,3 +187,50 @@ def test_planned_mechanisms_are_refused_in_distributed_runs():
         assert opt.plan.label == "dpsgd"
     finally:
         dist.destroy_process_group()
+
+
+def _mismatch_worker(rank: int, port: int, out_dir: str) -> None:
+    """Each case: rank 1 makes another make_private call than rank 0 (a clip norm, a mechanism, a
+    batch size, a dataset); what each rank raised."""
+    import torch.distributed as dist
+
+    from corrnoise.torch import front
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        base = dict(mechanism="bsr:2", noise_std=1.0, delta=1e-5, max_grad_norm=1.0, steps=2, batching="cyclic",
+                    seed=SAMPLER_SEED, noise_seed=NOISE_SEED)
+        cases = {"max_grad_norm": dict(max_grad_norm=10.0), "mechanism": dict(mechanism="dpcgd:0.5"),
+                 "batch_size": dict(batch=2 * B), "dataset_size": dict(n=N - 1), "same": {}}
+        out = {}
+        for name, change in cases.items():
+            kw = {**base, **(change if rank == 1 else {})}
+            data = TensorDataset(*_data().tensors) if "n" not in kw else TensorDataset(*(t[:kw["n"]] for t in _data().tensors))
+            loader = DataLoader(data, batch_size=kw.pop("batch", B))
+            kw.pop("n", None)
+            m = nn.parallel.DistributedDataParallel(nn.Linear(3, 1).double())
+            try:
+                front.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), loader, **kw)
+                out[name] = None
+            except CorrnoiseError as err:
+                out[name] = (err.param, str(err))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_make_another_make_private_call_are_refused_on_every_rank(tmp_path):
+    """Found in review: each rank clips with its own max_grad_norm and cuts its share of the batch,
+    and the noise row is assembled from every rank's shard, so rank 1 with a clip norm of 10 (rank 0
+    accounted 1: a released sum of 10.9 from 8 examples), another mechanism or another batch size
+    was accepted. The ranks now compare what the guarantee is of; each refuses in one line naming
+    the field. The same call on both ranks is accepted."""
+    spawn_ranks(_mismatch_worker, (free_port(), str(tmp_path)), nprocs=WORLD)
+    for rank in range(WORLD):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        assert out["same"] is None
+        for field in ("max_grad_norm", "mechanism", "batch_size", "dataset_size"):
+            param, message = out[field]
+            assert param == field and "differs between the data-parallel ranks" in message, (rank, field, message)
+            assert "\n" not in message

@@ -281,6 +281,26 @@ def shared_sampler_seed(seed: int | None, group) -> int:
     return value if seed is not None else value & SEED_MAX
 
 
+def check_same_run(fields: dict[str, Any], group) -> None:
+    """Refuse, on every rank, a data-parallel run whose ranks do not agree on what the guarantee
+    is of (``fields``: the plan's mechanism fingerprint, batching, lengths and noise, the clip norm,
+    the loss reduction, the noise method, the noised coordinates). Each rank clips with its own
+    ``max_grad_norm`` and cuts its own share of the sampler's batch, and one noise row is
+    assembled from every rank's shard, so a rank with another clip norm (found in review: rank 1
+    at 10 where rank 0 accounted 1, a released sum of 10.9 from 8 examples), another mechanism or
+    another batch size would release what no guarantee covers. One line naming the first field
+    that differs, with its value on rank 0 and on the first rank that differs."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, fields, group=group)
+    reference = gathered[0]
+    for rank, other in enumerate(gathered[1:], start=1):
+        for key in reference:
+            if other.get(key) != reference[key]:
+                raise CorrnoiseError(key, f"differs between the data-parallel ranks (rank 0: {reference[key]!r}, "
+                                     f"rank {rank}: {other.get(key)!r}); every rank must make the same make_private "
+                                     "call (the same plan, max_grad_norm and model)")
+
+
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, group) -> None:
     """Rank 0's parameters and buffers on every rank."""

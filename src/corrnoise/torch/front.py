@@ -123,7 +123,8 @@ from ..pipelines import AUTO, BATCHINGS
 from ..runplan import RunPlan, choose_batching, is_planned, plan_mechanism, plan_run, planned_batching
 from ..sampling import BatchSampler
 from ..strategies import Strategy
-from .distributed import DistributedPrivatizer, broadcast_module, data_parallel, global_rank0, shared_sampler_seed
+from .distributed import (DistributedPrivatizer, broadcast_module, check_same_run, data_parallel, global_rank0,
+                          shared_sampler_seed)
 from .dp_optimizer import DPOptimizer
 from .loader import DPDataLoader, StepContext, loader_settings
 from .privatizer import Privatizer
@@ -185,6 +186,12 @@ def make_private(
     if noise_method == "auto":  # a plan made under a noise memory budget says how its noise runs
         noise_method = plan.noise_method
     noise_method = budgeted_noise_method(budget, plan.strategy, noise_method, plan.planner_result)
+    if par.on:
+        described = plan.to_dict()
+        check_same_run({"mechanism": f"{plan.strategy.label} (fingerprint {plan.fingerprint[:16]})",
+                        **{k: described[k] for k in _RUN_FIELDS}, "max_grad_norm": max_grad_norm,
+                        "loss_reduction": loss_reduction, "noise_method": noise_method,
+                        "parameters": [tuple(p.shape) for p in _trainable(module, optimizer)]}, par.group)
     sampler = _prepare_sampler(plan, batching, par)
     engine, privatizer = _prepare_engine(module, optimizer, plan, sampler, par, max_grad_norm=max_grad_norm,
                                          loss_reduction=loss_reduction, noise_seed=noise_seed,
@@ -198,6 +205,11 @@ def make_private(
                           max_physical_batch_size=max_physical_batch_size, context=context, rank=par.rank,
                           world_size=par.world_size, **data.keep)
     return module, private, loader
+
+
+#: the plan's fields every data-parallel rank must agree on (:func:`.distributed.check_same_run`)
+_RUN_FIELDS = ("dataset_size", "batch_size", "steps", "batching", "participation", "sampler", "delta",
+               "noise_std", "method", "accounting_method")
 
 
 def _trainable(module, optimizer) -> list[torch.Tensor]:
