@@ -55,6 +55,22 @@ def test_state_dict_loads_back_into_the_same_optimizer():
     assert opt.steps_taken == 2
 
 
+def test_going_back_to_an_earlier_checkpoint_of_the_same_run_is_refused():
+    """Found in review: loading step 3's state after step 6 was accepted, and step 3 was released
+    again with its noise row, so the difference of the two releases left the clipped sum in the
+    clear. Refused in one line before anything changes; the latest state still loads."""
+    model, opt, loader = _build()
+    _steps(model, opt, loader, 3)
+    early = opt.state_dict()
+    _steps(model, opt, loader, 3)
+    with pytest.raises(CorrnoiseError, match="noise rows 3..5 a second time") as err:
+        opt.load_state_dict(early)
+    assert err.value.param == "state" and "\n" not in str(err.value)
+    assert opt.steps_taken == opt.privatizer.step == 6
+    opt.load_state_dict(opt.state_dict())
+    assert opt.steps_taken == 6
+
+
 def _uninterrupted(noise_seed):
     model, opt, loader = _build(noise_seed=noise_seed)
     _steps(model, opt, loader, STEPS)

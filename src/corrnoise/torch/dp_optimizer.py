@@ -445,6 +445,13 @@ class DPOptimizer(torch.optim.Optimizer):
         generator["seed"] = self._resumed_noise_seed(generator.get("seed"), state.get("noise_seed_id"))
         noise["generator"] = generator
         steps_taken = check_int("steps_taken", state["steps_taken"], minimum=0, maximum=self.steps)
+        if steps_taken < self.steps_taken:
+            # found in review: rows steps_taken.. would be added a second time, and the difference of
+            # two releases of one step cancels the noise, leaving the clipped sum in the clear
+            raise CorrnoiseError("state", f"is at step {steps_taken}, but this optimizer has released the updates "
+                                 f"of steps up to {self.steps_taken - 1}: resuming there would add noise rows "
+                                 f"{steps_taken}..{self.steps_taken - 1} a second time; resume from the latest "
+                                 "checkpoint")
         calibration = self._resumed_calibration(state.get("calibration"), generator.get("noise_std"))
         previous = self.privatizer.noise_std
         if calibration is not None:
