@@ -1212,3 +1212,54 @@ def test_materialize_writes_into_the_workspace(shape):
     assert _storage_rows(full)[0].data_ptr() == out.data_ptr()  # rows without a copy
     for i in range(4):
         _close(full[i].reshape(7, 6), u[i, 0].t() @ v[i, 0], 1e-12)
+
+
+class _PosTable(nn.Module):
+    """A learned position table indexed by positions (L,) shared by the batch (the fallback's rule)."""
+
+    def __init__(self, n=16, d=4):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(n, d, dtype=torch.float64))
+
+    def forward(self, x, pos):
+        return x + self.table[pos]
+
+
+class _PosNet(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.inp, self.pos, self.head = nn.Linear(3, d).double(), _PosTable(d=d), nn.Linear(d, 1).double()
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.pos(self.inp(x), torch.arange(x.shape[1])))).mean((1, 2))
+
+
+def test_a_shared_argument_as_long_as_the_batch_is_not_split_over_the_examples():
+    """Found in review: the fallback read every input whose first dimension equals the batch size
+    as batched, so a position index (L,) shared by the batch was split over the examples of a batch
+    of B = L, after a first batch at B != L had passed the checks: pos.table's per-example gradients
+    were 2.1x off, unrefused. An argument once seen with another size is shared from then on: exact
+    at B = L. A layer that only ever saw B = L is refused by the first step's sum check."""
+    torch.manual_seed(0)
+    net = _PosNet()
+    params = list(net.parameters())
+    eng = ClippingEngine(net, "sum", 1e300)
+    for b in (4, 6):  # L = 6
+        x = torch.randn(b, 6, 3, dtype=torch.float64)
+        with eng.paused():
+            ref = [torch.autograd.grad(net(x[i:i + 1]).sum(), params) for i in range(b)]
+        net(x).sum().backward()
+        for j in range(b):
+            ours, _ = eng.clipped_sum(b, weights=torch.eye(b, dtype=torch.float64)[j])
+            for o, r in zip(ours, ref[j]):
+                torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-12)
+        eng.clear()
+        net.zero_grad()
+    eng.detach()
+    torch.manual_seed(0)
+    net = _PosNet()
+    eng = ClippingEngine(net, "sum", 1e300)
+    net(torch.randn(6, 6, 3, dtype=torch.float64)).sum().backward()
+    with pytest.raises(CorrnoiseError, match=r"pos\.table: captured per-example gradients do not add up"):
+        eng.clipped_sum(6)
+    eng.detach()

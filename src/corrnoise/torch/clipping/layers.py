@@ -30,6 +30,7 @@ parameters to it (duck-typed, peft is not imported).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -565,6 +566,29 @@ def fallback_handler(module, args, kwargs, grad_outs, dtype, names=None, flat=Fa
                              "register a rule for it with register_layer") from None
 
 
+#: per fallback layer, the input leaves (argument structure, position) seen without the batch on
+#: their batch dimension in some call: shared by the batch (:func:`_batched_leaves`)
+_SHARED_LEAVES: "weakref.WeakKeyDictionary[nn.Module, set[tuple[str, int]]]" = weakref.WeakKeyDictionary()
+
+
+def _batched_leaves(module: nn.Module, spec, leaves, in_dims, b: int) -> list[bool]:
+    """Which input leaves of this call carry the batch: a tensor whose batch dimension (``in_dims``)
+    has the call's batch size ``b``, unless the same argument had another size there in an earlier
+    call of this layer (found in review: a position index (L,) shared by the batch was split over
+    the examples of a batch of B = L, after a check and a first step at B != L had passed). A shared
+    argument of size B in every call this layer ever saw is still read as batched; the first
+    step's check that the per-example gradients add up to autograd's refuses such a layer."""
+    shape = str(spec)
+    shared = _SHARED_LEAVES.setdefault(module, set())
+    mapped = []
+    for i, (v, d) in enumerate(zip(leaves, in_dims)):
+        tensor = isinstance(v, torch.Tensor) and d >= 0 and v.dim() > d
+        if tensor and v.shape[d] != b:
+            shared.add((shape, i))
+        mapped.append(tensor and v.shape[d] == b and (shape, i) not in shared)
+    return mapped
+
+
 def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
     if names is None:
         names = [n for n, p in owned_parameters(module) if p.requires_grad]
@@ -578,8 +602,7 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
         raise CorrnoiseError("module", f"{type(module).__name__} got a PackedSequence, which per-example clipping "
                              "cannot split by example; pass the padded batch (batch_first=True) instead")
     in_dims = _input_dims(module, args, kwargs, leaves)
-    mapped = [isinstance(v, torch.Tensor) and d >= 0 and v.dim() > d and v.shape[d] == b
-              for v, d in zip(leaves, in_dims)]
+    mapped = _batched_leaves(module, spec, leaves, in_dims, b)
     batched = [v.to(dtype) if m and v.is_floating_point() else v for v, m in zip(leaves, mapped)]
     bleaves = [v for v, m in zip(batched, mapped) if m]
     bdims = [d for d, m in zip(in_dims, mapped) if m]
