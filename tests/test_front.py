@@ -498,6 +498,9 @@ def test_clipping_covers_only_the_optimizers_parameters():
     ({"steps": 0, "epochs": None}, "steps"),
     ({"mechanism": "bogus"}, "mechanism"),
     ({"mechanism": "blt:2"}, "mechanism"),
+    ({"noise_method": "fast"}, "noise_method"),  # review: both were named "method"
+    ({"accounting_method": "magic"}, "accounting_method"),
+    ({"accounting_method": ["pld"]}, "accounting_method"),
 ])
 def test_make_private_errors_name_the_argument_given(kwargs, param):
     model = _mlp()

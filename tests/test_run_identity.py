@@ -128,6 +128,17 @@ def test_two_c_with_one_label_are_told_apart(kind):
     assert run_mismatch(calibrate(a, "none", epsilon=4.0, delta=1e-5), {"mechanism": a.label, **ida}) is None
 
 
+def test_a_guarantee_for_another_step_count_is_said_to_be_one():
+    """Review: a guarantee of the same mechanism for another n was reported as "another mechanism
+    ... (same label, other C)" (its C, n x n, has another fingerprint too); the step count is named."""
+    ida = run_identity(MechanismEvent(DPCGD(0.9, N_STEPS), "none"))
+    other = calibrate(DPCGD(0.9, N_STEPS + 1), "none", epsilon=4.0, delta=1e-5)
+    said = run_mismatch(other, {"mechanism": "dpcgd", **ida})
+    assert said == f"n = {N_STEPS + 1}, this run has {N_STEPS}"
+    same_n = calibrate(DPCGD(0.9000001, N_STEPS), "none", epsilon=4.0, delta=1e-5)
+    assert "same label, other C" in run_mismatch(same_n, {"mechanism": same_n.extras["mechanism"], **ida})
+
+
 @pytest.mark.parametrize("kind", ["blt", "banded", "dense", "bandinv"])
 def test_make_private_tells_them_apart(kind):
     a, b = _pairs()[kind]

@@ -141,7 +141,9 @@ def run_mismatch(result: PrivacyResult, identity: dict[str, Any]) -> str | None:
     when it is this run's (its participation schema may be wider: :func:`~corrnoise.participation.covers`). A result that carries no fingerprint (computed by hand, or before
     results carried one) identifies no mechanism and is never taken for this run's."""
     theirs = result.extras
-    for key in RUN_IDENTITY_KEYS:
+    # the step count first: a C for another n has another fingerprint too, and "another mechanism
+    # (same label, other C)" would hide that only the length differs
+    for key in sorted(RUN_IDENTITY_KEYS, key=lambda k: k != "n"):
         if theirs.get(key) == identity.get(key):
             continue
         if key == "participation" and isinstance(theirs.get(key), str) and isinstance(identity.get(key), str) \

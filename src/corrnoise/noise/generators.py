@@ -306,7 +306,8 @@ class TreeGenerator(NoiseGenerator):
         return super()._arrays() + [self.weights]
 
 
-_METHODS = ("auto", "regenerate")
+#: ``make_generator``'s methods (the front door's ``noise_method``)
+NOISE_METHODS = ("auto", "regenerate")
 
 # One generator class per noise-stream kind (Strategy.noise_stream() says which kind).
 GENERATORS: dict[str, type[NoiseGenerator]] = {
@@ -342,8 +343,8 @@ def make_generator(
     """
     if not isinstance(strategy, Strategy):
         raise CorrnoiseError("strategy", f"must be a corrnoise Strategy, got {type(strategy).__name__}")
-    if method not in _METHODS:
-        raise CorrnoiseError("method", f"must be one of {', '.join(_METHODS)}, got {method!r}")
+    if method not in NOISE_METHODS:
+        raise CorrnoiseError("method", f"must be one of {', '.join(NOISE_METHODS)}, got {method!r}")
     stream = strategy.regeneration_stream() if method == "regenerate" else strategy.noise_stream()
     return GENERATORS[stream.kind](
         strategy.n, dim, **stream.params, noise_std=noise_std, seed=seed, device=device, dtype=dtype,

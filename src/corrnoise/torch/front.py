@@ -175,6 +175,7 @@ def make_private(
         noise_seed = check_int("noise_seed", noise_seed, minimum=0)
     if max_physical_batch_size is not None:
         max_physical_batch_size = check_int("max_physical_batch_size", max_physical_batch_size, minimum=1)
+    _check_method_names(noise_method, accounting_method)
     data = _Loader(*loader_settings(data_loader))
     par = _prepare_parallel(module, distributed, seed, batching)
     budget = model_noise_budget(max_noise_memory, _trainable(module, optimizer))
@@ -205,6 +206,23 @@ def make_private(
                           max_physical_batch_size=max_physical_batch_size, context=context, rank=par.rank,
                           world_size=par.world_size, **data.keep)
     return module, private, loader
+
+
+def _check_method_names(noise_method, accounting_method) -> None:
+    """The two method keywords checked before anything is planned, each refused under its own name
+    (the generator and the accountant name theirs ``method``)."""
+    from ..accounting.base import get_method
+    from ..noise.generators import NOISE_METHODS
+
+    if noise_method not in NOISE_METHODS:
+        raise CorrnoiseError("noise_method", f"must be one of {', '.join(NOISE_METHODS)}, got {noise_method!r}")
+    if accounting_method != "auto":
+        try:
+            get_method(accounting_method)
+        except CorrnoiseError as err:
+            raise CorrnoiseError("accounting_method", err.message) from None
+        except TypeError:
+            raise CorrnoiseError("accounting_method", f"must be a method name, got {accounting_method!r}") from None
 
 
 #: the plan's fields every data-parallel rank must agree on (:func:`.distributed.check_same_run`)

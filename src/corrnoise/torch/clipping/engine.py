@@ -395,8 +395,9 @@ class ClippingEngine:
             old.detach(by="later engine")
         if earlier:
             warnings.warn("this model already had a clipping engine from an earlier make_private (or ClippingEngine); "
-                          "it is detached, and the private optimizer that used it can no longer step",
-                          RuntimeWarning, stacklevel=user_stacklevel())
+                          "it is detached, and the private optimizer that used it can no longer step. If that run "
+                          "took steps on the same data, the two runs' privacy adds up: the new optimizer's epsilon "
+                          "is of its own steps only", RuntimeWarning, stacklevel=user_stacklevel())
         for m in [module, *self._owners]:
             _LIVE[m] = self
 
