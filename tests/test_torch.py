@@ -568,10 +568,47 @@ def test_privacy_engine_with_epsilon_trains_and_refuses_what_it_cannot_honour():
                   data_loader=DataLoader(_dataset(), batch_size=10), noise_multiplier=1.0, max_grad_norm=1.0, steps=3)
     for bad, param in ((dict(batch_first=False), "batch_first"), (dict(clipping="per_layer"), "clipping"),
                        (dict(noise_generator=torch.Generator()), "noise_generator"),
-                       (dict(poisson_sampling=False, batching="poisson"), "poisson_sampling")):
+                       (dict(poisson_sampling=False, batching="poisson"), "poisson_sampling"),
+                       # review: these were Python TypeErrors
+                       (dict(criterion=torch.nn.CrossEntropyLoss()), "criterion"), (dict(rand_on_empty=True),
+                                                                                    "rand_on_empty"),
+                       (dict(total_steps=3), "total_steps"), (dict(foo=1), "foo")):
         with pytest.raises(CorrnoiseError) as e:
             engine.make_private(**kwargs, **bad)
         _one_line(e, param)
+    for bad, param in ((dict(secure_mode=True), "secure_mode"), (dict(accountant="gdp"), "accountant"),
+                       (dict(accountant="rdp", accounting_method="pld"), "accountant")):
+        with pytest.raises(CorrnoiseError) as e:
+            PrivacyEngine(**bad)
+        _one_line(e, param)
+    assert PrivacyEngine(accountant="prv").accounting_method == "pld"
+    assert PrivacyEngine("rdp").accounting_method == "rdp"
+    _, opt, _ = engine.make_private(**kwargs, grad_sample_mode="ghost", wrap_model=False)  # the same flat clip
+    assert opt.max_grad_norm == 1.0
+
+
+def test_privacy_engine_with_a_summed_loss_releases_the_noisy_sum_as_opacus_does():
+    """Review: Opacus's loss_reduction="sum" releases S + noise (it divides by B only for "mean");
+    the adapter divided by B either way, a gradient B times smaller. The same run (same batches,
+    same noise) with a summed loss now releases B times the mean's update, and the noise variance
+    a noise-aware optimizer is told is B^2 times the mean's."""
+    released, variances = {}, {}
+    for reduction in ("mean", "sum"):
+        torch.manual_seed(0)
+        model = _mlp()
+        _, opt, loader = PrivacyEngine(accounting_options={"discretization": 1e-3}).make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_dataset(), batch_size=10), noise_multiplier=1.0, max_grad_norm=1.0, steps=2,
+            mechanism="bsr:2", batching="cyclic", seed=3, noise_seed=5, loss_reduction=reduction)
+        x, y = next(iter(loader))
+        F.cross_entropy(model(x), y, reduction=reduction).backward()
+        variances[reduction] = opt.noise_variance()
+        opt.step()
+        released[reduction] = [p.grad.clone() for p in opt.params]
+    b = 10.0
+    for m, s_ in zip(released["mean"], released["sum"]):
+        torch.testing.assert_close(s_, b * m, rtol=1e-5, atol=1e-6)
+    assert variances["sum"] == pytest.approx(b * b * variances["mean"], rel=1e-12)
 
 
 def test_privacy_engine_takes_no_more_private_steps_than_planned():

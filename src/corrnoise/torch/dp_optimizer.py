@@ -78,6 +78,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.steps_taken = 0
         self.attribution_checked = False  # check_attribution passed (on a batch of at least 2)
         self.last_stats: dict[str, Any] = {}
+        #: True: the released gradient is the noisy sum S + noise, not (S + noise) / B (the Opacus
+        #: adapter's ``loss_reduction="sum"``, as Opacus releases it); post-processing of the mean
+        self.released_sum = False
         if nan_policy not in NAN_POLICIES:
             raise CorrnoiseError("nan_policy", f"must be one of {', '.join(NAN_POLICIES)}, got {nan_policy!r}")
         self.nan_policy = nan_policy
@@ -130,7 +133,8 @@ class DPOptimizer(torch.optim.Optimizer):
         the next one), :func:`~corrnoise.torch.noise_aware.released_noise_variance`."""
         norms = self._row_norms if self._row_norms is not None else noise_row_norms_squared(self.strategy)
         t = check_int("step", self.privatizer.step if step is None else step, minimum=0, maximum=len(norms) - 1)
-        return released_noise_variance(float(norms[t]), self.noise_std, self.max_grad_norm, self.expected_batch_size)
+        divisor = 1.0 if self.released_sum else self.expected_batch_size
+        return released_noise_variance(float(norms[t]), self.noise_std, self.max_grad_norm, divisor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``.grad`` and any captured forward/backward the next step would otherwise use."""
@@ -247,6 +251,8 @@ class DPOptimizer(torch.optim.Optimizer):
             self.original.observe_noise_variance(self.noise_variance())
         with torch.no_grad():
             noisy = self.privatizer.privatize(self._sums)
+            if self.released_sum:
+                torch._foreach_mul_(noisy, float(self.expected_batch_size))
             for p, g in zip(self.params, noisy):
                 p.grad = g if g.dtype == p.dtype else g.to(dtype=p.dtype)
             self.original.step()

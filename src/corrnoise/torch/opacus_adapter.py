@@ -12,8 +12,15 @@
             optimizer.step()
     print(privacy_engine.get_epsilon(1e-5))
 
-A code base written for Opacus changes its import (and adds ``mechanism=`` for correlated
-noise). Everything behind the names is corrnoise's front door
+A code base written for Opacus changes its import; ``make_private`` stays DP-SGD unless
+``mechanism=`` names another, while ``make_private_with_epsilon`` plans by default
+(``mechanism="auto"``: the planner's mechanism and batching for the target, which may be a
+correlated mechanism with balls-in-bins batches; ``mechanism="identity"`` keeps Opacus's DP-SGD
+with Poisson sampling). ``loss_reduction="sum"`` releases the noisy sum, as Opacus does
+(``"mean"``: divided by the expected batch size). Opacus's ``accountant`` ``"rdp"`` / ``"prv"`` map
+to corrnoise's ``rdp`` / ``pld``; ``grad_sample_mode`` and ``wrap_model`` are taken (the engine's
+clipping is the same); ``secure_mode``, ``criterion``, ``rand_on_empty`` and any other unknown
+argument are refused in one line. Everything behind the names is corrnoise's front door
 (:func:`corrnoise.torch.front.make_private`): the sampler the accounting analyses, the clipping
 engine (:mod:`corrnoise.torch.clipping`), the noise max_grad_norm * nu * (C^-1 Z)[t] and the
 one plan (:func:`corrnoise.runplan.plan_run`) -- Opacus need not be installed, and no
@@ -43,6 +50,30 @@ __all__ = ["PrivacyEngine"]
 DEFAULT_DELTA = 1e-5
 
 
+#: Opacus's accountant names -> the corrnoise accounting method of that analysis (PRV and PLD both
+#: compose privacy loss distributions; corrnoise's PLD bound is a guarantee)
+_ACCOUNTANTS = {"rdp": "rdp", "prv": "pld"}
+#: Opacus arguments that choose how per-example gradients are computed: corrnoise's engine clips the
+#: same way whatever they say (flat clipping of each example's whole gradient), so they are taken
+_SAME_HERE = ("grad_sample_mode", "wrap_model")
+#: Opacus arguments with no counterpart: refused in one line, saying why
+_REFUSED = {
+    "criterion": "not needed: compute the loss as usual, the engine clips through hooks (and make_private returns "
+                 "(module, optimizer, data_loader), never a criterion)",
+    "rand_on_empty": "empty Poisson batches are steps of the accounted run here: they add their noise row",
+    "total_steps": "give steps= (or epochs=): the run's length is part of the plan",
+}
+
+
+def _front_door_names() -> frozenset[str]:
+    import inspect
+
+    return frozenset(inspect.signature(make_private).parameters) - {"module", "optimizer", "data_loader"}
+
+
+_FRONT_DOOR = _front_door_names()
+
+
 class PrivacyEngine:
     """Opacus's ``PrivacyEngine`` surface over the corrnoise front door.
 
@@ -52,7 +83,18 @@ class PrivacyEngine:
     ``make_private*`` call; :meth:`get_epsilon` accounts the steps it has taken.
     """
 
-    def __init__(self, *, accounting_method: str = "auto", accounting_options: dict[str, Any] | None = None):
+    def __init__(self, accountant: str | None = None, secure_mode: bool = False, *, accounting_method: str = "auto",
+                 accounting_options: dict[str, Any] | None = None):
+        if accountant is not None:  # Opacus's accountants by the corrnoise method of the same analysis
+            if accountant not in _ACCOUNTANTS:
+                raise CorrnoiseError("accountant", f"Opacus's {accountant!r} has no corrnoise counterpart here; pass "
+                                     f"one of {', '.join(sorted(_ACCOUNTANTS))}, or accounting_method=")
+            if accounting_method != "auto":
+                raise CorrnoiseError("accountant", "give accountant or accounting_method, not both")
+            accounting_method = _ACCOUNTANTS[accountant]
+        if secure_mode:
+            raise CorrnoiseError("secure_mode", "the noise comes from corrnoise's counter-based generator with a secret "
+                                 "OS seed; Opacus's secure_mode (a cryptographic RNG) is not offered")
         self.accounting_method = accounting_method
         self.accounting_options = dict(accounting_options or {})
         self.optimizer: DPOptimizer | None = None
@@ -66,12 +108,21 @@ class PrivacyEngine:
         if noise_generator is not None:
             raise CorrnoiseError("noise_generator", "the noise comes from corrnoise's generator (a secret OS seed); "
                                  "pass noise_seed only for reproducible experiments")
+        for name, value in list(kwargs.items()):
+            if name in _SAME_HERE:
+                kwargs.pop(name)  # Opacus's implementation choices: the engine's clipping is the same flat clip
+            elif name in _REFUSED:
+                raise CorrnoiseError(name, _REFUSED[name])
+            elif name not in _FRONT_DOOR:
+                raise CorrnoiseError(name, "is neither an argument of Opacus's make_private that corrnoise honours nor "
+                                     "one of corrnoise.torch.make_private")
         batching = kwargs.pop("batching", "auto" if poisson_sampling else "cyclic")
         if not poisson_sampling and batching != "cyclic":
             raise CorrnoiseError("poisson_sampling", f"is False but batching is {batching!r}; give one of them")
         kwargs.setdefault("accounting_method", self.accounting_method)
         kwargs.setdefault("accounting_options", self.accounting_options or None)
         module, private, loader = make_private(module, optimizer, data_loader, batching=batching, **kwargs)
+        private.released_sum = kwargs.get("loss_reduction") == "sum"  # Opacus releases the noisy sum then
         self.optimizer = private
         return module, private, loader
 
