@@ -111,6 +111,10 @@ def test_failed_verification_releases_nothing(capsys):
     (["train", "--dataset", "digits", "--epsilon", "2", "--delta", "1e-5", "--physical-batch-size", "0"],
      "physical_batch_size"),
     (["train", "--dataset", "digits", "--epsilon", "2", "--delta", "1e-5", "--compare", " "], "compare"),
+    # review: these named "mechanism" (the second run's, or a run of 0 steps)
+    (["train", "--dataset", "digits", "--mechanism", "dpsgd", "--epsilon", "2", "--delta", "1e-5", "--epochs", "1",
+      "--compare", "bogus"], "compare"),
+    (["audit", "--dataset", "digits", "--white-box", "--epsilon", "2", "--batch-size", "100000"], "batch_size"),
 ])
 def test_cli_errors_name_the_option_given(capsys, args, param):
     code = main(args)

@@ -244,6 +244,14 @@ def test_train_refuses_a_plan_for_other_data(tmp_path, capsys):
     assert err.startswith("error: dataset_size:") and "\n" not in err
     assert main(["train", "--dataset", "digits", "--plan", path, "--batch-size", "64"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: batch_size:")
+    digits = plan_run(dataset_size=1437, batch_size=128, mechanism="identity", batching="poisson", epsilon=4.0,
+                      delta=1e-5, epochs=1)
+    digits_path = str(digits.to_json(tmp_path / "digits.json"))
+    for command in (["train", "--dataset", "digits", "--device", "cpu"], ["audit", "--dataset", "digits", "--white-box", "--canaries", "8"]):
+        # review: a --delta beside a plan was taken silently (the plan's delta trained)
+        assert main([*command, "--plan", digits_path, "--delta", "1e-9"]) == 2, command
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: delta: the plan is for delta 1e-05, not 1e-09") and "\n" not in err
     assert main(["train", "--dataset", "digits", "--epsilon", "2"]) == 2  # neither a budget nor a plan
     assert capsys.readouterr().err.strip().startswith("error: delta:")
     assert main(["plan", "--steps", "20", "--epochs", "2", "--epsilon", "2", "--delta", "1e-5",

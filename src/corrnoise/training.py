@@ -280,8 +280,11 @@ def _plan_settings(plan, mechanism, batching, epsilon, delta, choice, given: dic
         raise CorrnoiseError("epsilon", "the plan's noise was given, not calibrated to a guarantee: give the budget")
     if epsilon is not None and plan.guarantee is not None and plan.guarantee.epsilon > epsilon * (1 + 1e-9):
         raise CorrnoiseError("epsilon", f"the plan's guarantee is epsilon {plan.guarantee.epsilon:g} > {epsilon:g}")
+    if delta is not None and delta != plan.delta:  # review: it was taken silently, the plan's delta trained
+        raise CorrnoiseError("delta", f"the plan is for delta {plan.delta:g}, not {delta:g}: drop the delta or plan "
+                             "again")
     given.update(epochs=plan.epochs if plan.epochs is not None else given["epochs"], batch_size=plan.batch_size)
-    return epsilon, plan.delta if delta is None else delta, plan.pipeline
+    return epsilon, plan.delta, plan.pipeline
 
 
 def _plan(s: _Settings, mechanism, plan, choice, num_examples: int, progress) -> RunPlan:

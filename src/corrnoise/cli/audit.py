@@ -125,7 +125,9 @@ def _one_run(dataset, mechanism, batching, epsilon, delta, plan_file, audit_delt
             raise CorrnoiseError("plan", f"the plan decides mechanism, batching, noise and size; drop "
                                  f"--{', --'.join(given or ['mechanism'])}")
         plan = RunPlan.from_json(plan_file)
-        delta = plan.delta if delta is None else delta
+        if delta is not None and delta != plan.delta:  # review: it was taken silently
+            raise CorrnoiseError("delta", f"the plan is for delta {plan.delta:g}, not {delta:g}: drop --delta")
+        delta = plan.delta
     elif epsilon is None:
         raise CorrnoiseError("epsilon", "give the epsilon the run is calibrated to, or --plan FILE")
     out = audit_training_run(dataset, mechanism=mechanism, batching=batching or "poisson", epsilon=epsilon,

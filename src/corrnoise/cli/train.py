@@ -29,6 +29,10 @@ def _progress_bar(enabled: bool):
     return bar, report
 
 
+#: the length a --compare name is parsed at before any run (only an unknown name is refused then)
+_NAME_CHECK_STEPS = 4096
+
+
 @click.command("train")
 @click.option("--dataset", type=click.Choice(["digits", "mnist1d", "fashion-mnist"]), default="digits",
               show_default=True, help="digits (scikit-learn), mnist1d (generated offline), fashion-mnist "
@@ -89,6 +93,15 @@ def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epoch
         check_int("physical_batch_size", physical_batch_size, minimum=1)
     if compare is not None and not compare.strip():
         raise CorrnoiseError("compare", "names a second mechanism to train beside the first; got an empty name")
+    if compare is not None:  # a typo found before the first run trains, not after it
+        from ..runplan import is_planned, parse_mechanism
+
+        if not is_planned(compare, calibrated=True):
+            try:
+                parse_mechanism(compare, _NAME_CHECK_STEPS)
+            except CorrnoiseError as err:
+                if "unknown" in err.message:
+                    raise CorrnoiseError("compare", err.message) from None
     bar, report = _progress_bar(not as_json and sys.stderr.isatty())
     if as_json:  # nothing but the JSON object; otherwise planning writes progress lines on stderr
         report = False
@@ -102,7 +115,12 @@ def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epoch
     try:
         for i, name in enumerate(runs):
             plan_plot = None if plot is None or i else str(plot)[:-4] + "-plan.png"
-            results.append(train(dataset, name, plan_plot=plan_plot, **kwargs).to_dict())
+            try:
+                results.append(train(dataset, name, plan_plot=plan_plot, **kwargs).to_dict())
+            except CorrnoiseError as err:
+                if i and err.param == "mechanism":  # the second run's mechanism is --compare's
+                    raise CorrnoiseError("compare", err.message) from None
+                raise
     finally:
         if bar is not None:
             bar.stop()

@@ -98,6 +98,8 @@ class AuditSetup:
             raise CorrnoiseError("batching", f"must be one of {', '.join(AUDIT_BATCHINGS)}, got {self.batching!r}")
         self.max_grad_norm = check_real("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
         self.num_examples = int(self.x.shape[0]) + self.canaries
+        # named here: a batch larger than the data made 0 steps, refused as the mechanism's n (review)
+        self.batch_size = check_int("batch_size", self.batch_size, minimum=1, maximum=self.num_examples)
         self.steps = check_int("epochs", self.epochs, minimum=1) * (self.num_examples // self.batch_size)
         self.strategy = self.mechanism if isinstance(self.mechanism, Strategy) else \
             parse_mechanism(self.mechanism, self.steps)
