@@ -522,6 +522,29 @@ def test_the_check_compares_with_each_example_alone_so_left_padding_that_moves_p
     engine.detach()
 
 
+def test_bart_with_a_first_batch_as_long_as_its_sequences_is_exact():
+    """Review: BART's learned positions get position_ids of shape (L,), shared by the batch; on a
+    first batch of B = L examples the fallback read them as batched and refused the layer ("batch
+    dimension cannot be found"), so a run whose first batch happened to be that size died. Now such
+    an integer index is retried as shared: the check passes and the norms are each example's alone
+    (float64)."""
+    model, losses = _hf("bart")
+    model = model.double().eval()  # no dropout: the batch and each example alone are one function
+    ids = torch.randint(1, V, (6, 6), generator=torch.Generator().manual_seed(8))
+    engine = ClippingEngine(model, "mean", 1e9)
+    report = check_attribution(engine, losses, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, examples=6)
+    assert report.worst < 0.1 and report.shared == ["model.decoder.embed_positions"]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    losses(batch).mean().backward()
+    _, norms = engine.clipped_sum(6)
+    with engine.paused():
+        ref = [torch.autograd.grad(losses({k: v[i:i + 1] for k, v in batch.items()}).sum(), list(model.parameters()),
+                                   allow_unused=True) for i in range(6)]
+    engine.detach()
+    alone = [torch.sqrt(sum(g.square().sum() for g in r if g is not None)) for r in ref]
+    torch.testing.assert_close(norms, torch.stack(alone), rtol=1e-9, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["vit", "convnext", "swin"])
 def test_vision_models_are_exact_and_swin_windows_are_verified_as_the_batch_flattened(kind):
     """float64 against each image alone: ViT (its position embeddings and CLS token are parameters

@@ -589,6 +589,22 @@ def _batched_leaves(module: nn.Module, spec, leaves, in_dims, b: int) -> list[bo
     return mapped
 
 
+def _shared_index_retry(module: nn.Module, spec, leaves, mapped, b: int) -> set[tuple[str, int]] | None:
+    """Where a call's outputs have no batch dimension to be found, the integer 1-D inputs of length
+    B read as batched, marked shared for a retry (the marks, or None if there are none): a position
+    index (L,) when the batch has B = L examples (BART's learned positions get ``position_ids`` of
+    shape (L,); found in review: its first batch of B = L was refused). The retry's outputs must
+    then carry the batch on one dimension, and the first step's sum check verifies the values."""
+    shape = str(spec)
+    ambiguous = {(shape, i) for i, (v, m) in enumerate(zip(leaves, mapped))
+                 if m and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == b
+                 and not v.is_floating_point() and not v.is_complex()}
+    if not ambiguous:
+        return None
+    _SHARED_LEAVES.setdefault(module, set()).update(ambiguous)
+    return ambiguous
+
+
 def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
     if names is None:
         names = [n for n, p in owned_parameters(module) if p.requires_grad]
@@ -643,6 +659,13 @@ def _fallback(module, args, kwargs, grad_outs, dtype, names, flat=False):
         cand = [d for d in range(g.dim()) if g.dim() == o.dim() and g.shape[d] == b and o.shape[d] == 1
                 and all(g.shape[e] == o.shape[e] for e in range(g.dim()) if e != d)]
         if b > 1 and len(cand) != 1:
+            retry = _shared_index_retry(module, spec, leaves, mapped, b)
+            if retry is not None:  # the same call with those indices shared by the batch
+                try:
+                    return _fallback(module, args, kwargs, grad_outs, dtype, names, flat)
+                except CorrnoiseError:
+                    _SHARED_LEAVES[module].difference_update(retry)
+                    raise
             raise CorrnoiseError("module", f"{type(module).__name__} returns an output of shape {tuple(g.shape)} "
                                  "whose batch dimension cannot be found; register a rule with register_layer")
         dims.append(cand[0] if cand else 0)
