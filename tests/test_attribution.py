@@ -298,6 +298,19 @@ def test_a_per_example_loss_of_the_wrong_shape_is_one_line():
     _one_line(err, "compute_dtype")
 
 
+@given(st.integers(1, 40), st.integers(1, 8))
+def test_the_checked_examples_are_the_first_the_last_and_evenly_between(b, k):
+    """Review: a batch of 2 with the default 3 examples checked example 0 only (the spacing used
+    k, not min(k, b)), and a misattribution in the last example went unchecked."""
+    from corrnoise.torch.clipping.attribution import _chosen
+
+    chosen = _chosen(b, k)
+    assert len(chosen) == min(k, b) and chosen == sorted(set(chosen)) and chosen[0] == 0
+    assert all(0 <= j < b for j in chosen)
+    if min(k, b) >= 2:
+        assert chosen[-1] == b - 1
+
+
 def test_example_of_cuts_every_batch_tensor_and_keeps_the_rest():
     batch = {"x": torch.arange(12).reshape(4, 3), "table": torch.zeros(5, 2), "n": 3, "y": [torch.arange(4)]}
     one = example_of(batch, 2, 4)

@@ -212,7 +212,7 @@ def test_bert_classifier_trains_with_per_example_cross_entropy(tmp_path):
     assert trainer.private_optimizer.steps_taken == 2
     assert sum("eval_loss" in entry for entry in trainer.state.log_history) == 2
     assert any(not torch.equal(p, before[n]) for n, p in _params(model).items())
-    with pytest.raises(CorrnoiseError) as err:
+    with pytest.raises(CorrnoiseError, match=r"trained already \(2 of its plan's 2 steps\)") as err:
         trainer.train()
     _one_line(err, "train")
 

@@ -235,8 +235,9 @@ class PrivateTrainer(transformers.Trainer):
         """``Trainer.train``, once per PrivateTrainer (a plan is trained once; resume a run with
         a new PrivateTrainer and ``resume_from_checkpoint``)."""
         if self.private_optimizer is not None:
-            raise CorrnoiseError("train", "this PrivateTrainer has trained its plan already; build a new one "
-                                 "(resume_from_checkpoint continues a run from a checkpoint)")
+            raise CorrnoiseError("train", f"this PrivateTrainer has trained already ({self.private_optimizer.steps_taken} "
+                                 f"of its plan's {self.private_optimizer.steps} steps); build a new one "
+                                 "(resume_from_checkpoint continues a run from its latest checkpoint)")
         if resume_from_checkpoint is True:
             resume_from_checkpoint = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:

@@ -246,9 +246,10 @@ def _losses(per_example_loss, batch, expected: int | None) -> torch.Tensor:
 
 def _chosen(b: int, k: int) -> list[int]:
     """The first and last example, then evenly between: k distinct indices (fewer if b < k)."""
-    if k == 1 or b == 1:
+    k = min(k, b)  # review: with k > b the spacing used k, and a batch of 2 checked example 0 only
+    if k == 1:
         return [0]
-    return sorted({round(i * (b - 1) / (k - 1)) for i in range(min(k, b))})
+    return sorted({round(i * (b - 1) / (k - 1)) for i in range(k)})
 
 
 def _worst_difference(names, params, ours, ref, compute_dtype) -> tuple[float, str]:
