@@ -564,3 +564,34 @@ def test_tree_stream_has_no_numpy_streaming_form():
 
     with pytest.raises(CorrnoiseError, match="streaming"):
         Tree(N).noise_stream().operator(N)
+
+
+@pytest.mark.parametrize("mechanism, method", [("bsr:4", "regenerate"), ("toeplitz-sqrt", "auto"), ("tree", "auto")])
+def test_a_regenerating_generator_resumes_only_on_its_seed_stream(mechanism, method):
+    """Review: a generator that regenerates earlier seed rows, resumed in another float width,
+    rebuilt them from another stream (row 5 equalled a fresh float64 run's, not the float32 run's
+    continuation): refused in one line. The same width resumes to the same rows; at step 0 no
+    row was released, so any width is taken; a buffered generator (bsr:4's own recurrence) keeps
+    what was released in its buffers and resumes in either."""
+    from corrnoise.strategies import parse_strategy
+
+    s = parse_strategy(mechanism, 10)
+    gen = make_generator(s, 300, seed=7, dtype=torch.float32, method=method)
+    assert gen.reads_past_seed_rows
+    for _ in range(5):
+        gen.next_flat()
+    state = gen.state_dict()
+    with pytest.raises(CorrnoiseError, match="noise dtype torch.float32, this generator's is torch.float64") as err:
+        make_generator(s, 300, seed=7, dtype=torch.float64, method=method).load_state_dict(state)
+    assert err.value.param == "state" and "\n" not in str(err.value)
+    same = make_generator(s, 300, seed=7, dtype=torch.float32, method=method)
+    same.load_state_dict(state)
+    assert torch.equal(same.next_flat(), gen.next_flat())
+    fresh = make_generator(s, 300, seed=7, dtype=torch.float32, method=method).state_dict()
+    make_generator(s, 300, seed=7, dtype=torch.float64, method=method).load_state_dict(fresh)
+    buffered = make_generator(parse_strategy("bsr:4", 10), 300, seed=7, dtype=torch.float32)
+    assert not buffered.reads_past_seed_rows
+    for _ in range(5):
+        buffered.next_flat()
+    make_generator(parse_strategy("bsr:4", 10), 300, seed=7, dtype=torch.float64).load_state_dict(
+        buffered.state_dict())

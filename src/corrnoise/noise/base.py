@@ -203,6 +203,7 @@ class NoiseGenerator:
             "chunk_size": self.chunk_size,
             "noise_std": self.noise_std,
             "dtype": str(self.dtype),
+            "device_type": torch.device(self.device).type,
             "buffers": {k: v.detach().clone() for k, v in self._buffers().items()},
         }
 
@@ -219,6 +220,8 @@ class NoiseGenerator:
                 raise CorrnoiseError("state", f"noise_std = {state['noise_std']} does not match {self.noise_std}")
             t = check_int("t", state["t"], minimum=0, maximum=self.n)
             seed = check_seed(state["seed"])
+            if self.reads_past_seed_rows and t > 0:
+                self._check_same_seed_stream(state)
             buffers = state["buffers"]
             mine = self._buffers()
             if set(buffers) != set(mine):
@@ -231,6 +234,25 @@ class NoiseGenerator:
         self.seed, self.t = seed, t
         for k, v in buffers.items():
             mine[k].copy_(v.to(device=self.device, dtype=self.dtype))
+
+    @property
+    def reads_past_seed_rows(self) -> bool:
+        """Whether a step draws seed rows Z[tau] of earlier steps again (regenerated noise), rather
+        than only Z[t] and buffers of what was released."""
+        return False
+
+    def _check_same_seed_stream(self, state: dict[str, Any]) -> None:
+        """A regenerating generator resumed past step 0 must draw the checkpoint's Z: the seed noise
+        depends on the device type and float width (:mod:`corrnoise.noise.seeds`), and rows
+        rebuilt from another stream would not be the ones already released (found in review: a
+        float32 run resumed in float64 continued with a fresh float64 run's rows)."""
+        mine = {"dtype": str(self.dtype), "device_type": torch.device(self.device).type}
+        for key, value in mine.items():
+            saved = state.get(key, value if key == "device_type" else None)  # older states name no device
+            if saved != value:
+                raise CorrnoiseError("state", f"was saved with noise {key} {saved}, this generator's is {value}: "
+                                     f"{self.label}'s noise regenerates earlier seed rows, which depend on it; resume "
+                                     f"on the checkpoint's {key}")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.label}, n={self.n}, m={self.m}, t={self.t}, "

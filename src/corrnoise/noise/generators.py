@@ -219,6 +219,7 @@ class RegenerateGenerator(NoiseGenerator):
     """
 
     kind = "regenerate"
+    reads_past_seed_rows = True
 
     def __init__(self, n, dim, *, inverse_toeplitz=None, noising=None, **kw):
         super().__init__(n, dim, **kw)
@@ -280,6 +281,10 @@ class TreeGenerator(NoiseGenerator):
 
     @property
     def stateless(self):
+        return self.regenerate
+
+    @property
+    def reads_past_seed_rows(self) -> bool:
         return self.regenerate
 
     def _raw_step(self, t):
