@@ -247,10 +247,10 @@ class NoiseGenerator:
         rebuilt from another stream would not be the ones already released (found in review: a
         float32 run resumed in float64 continued with a fresh float64 run's rows)."""
         mine = {"dtype": str(self.dtype), "device_type": torch.device(self.device).type}
-        for key, value in mine.items():
-            saved = state.get(key, value if key == "device_type" else None)  # older states name no device
-            if saved != value:
-                raise CorrnoiseError("state", f"was saved with noise {key} {saved}, this generator's is {value}: "
+        saved = {"dtype": state.get("dtype"), "device_type": state.get("device_type", mine["device_type"])}
+        for key, value in mine.items():  # (states saved before the device type was recorded name none)
+            if saved[key] != value:
+                raise CorrnoiseError("state", f"was saved with noise {key} {saved[key]}, this generator's is {value}: "
                                      f"{self.label}'s noise regenerates earlier seed rows, which depend on it; resume "
                                      f"on the checkpoint's {key}")
 
