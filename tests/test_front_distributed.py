@@ -194,6 +194,7 @@ def _mismatch_worker(rank: int, port: int, out_dir: str) -> None:
     batch size, a dataset); what each rank raised."""
     import torch.distributed as dist
 
+    from corrnoise.sampling import CyclicSampler
     from corrnoise.torch import front
 
     torch.set_num_threads(1)
@@ -202,10 +203,15 @@ def _mismatch_worker(rank: int, port: int, out_dir: str) -> None:
         base = dict(mechanism="bsr:2", noise_std=1.0, delta=1e-5, max_grad_norm=1.0, steps=2, batching="cyclic",
                     seed=SAMPLER_SEED, noise_seed=NOISE_SEED)
         cases = {"max_grad_norm": dict(max_grad_norm=10.0), "mechanism": dict(mechanism="dpcgd:0.5"),
-                 "batch_size": dict(batch=2 * B), "dataset_size": dict(n=N - 1), "same": {}}
+                 "batch_size": dict(batch=2 * B), "dataset_size": dict(n=N - 1), "same": {},
+                 "seed": {}, "same_ready": {}}
         out = {}
         for name, change in cases.items():
             kw = {**base, **(change if rank == 1 else {})}
+            if name == "seed":  # a ready sampler left to draw its seed from the OS: another on each rank
+                kw.update(batching=CyclicSampler(N, B, steps=2), seed=None)
+            elif name == "same_ready":
+                kw.update(batching=CyclicSampler(N, B, steps=2, seed=SAMPLER_SEED), seed=None)
             data = TensorDataset(*_data().tensors) if "n" not in kw else TensorDataset(*(t[:kw["n"]] for t in _data().tensors))
             loader = DataLoader(data, batch_size=kw.pop("batch", B))
             kw.pop("n", None)
@@ -224,13 +230,14 @@ def test_ranks_that_make_another_make_private_call_are_refused_on_every_rank(tmp
     """Found in review: each rank clips with its own max_grad_norm and cuts its share of the batch,
     and the noise row is assembled from every rank's shard, so rank 1 with a clip norm of 10 (rank 0
     accounted 1: a released sum of 10.9 from 8 examples), another mechanism or another batch size
-    was accepted. The ranks now compare what the guarantee is of; each refuses in one line naming
+    was accepted; so was a ready sampler whose seed each rank drew from the OS (each rank's share
+    then came from another global batch: an example used on two ranks in one step). The ranks now compare what the guarantee is of; each refuses in one line naming
     the field. The same call on both ranks is accepted."""
     spawn_ranks(_mismatch_worker, (free_port(), str(tmp_path)), nprocs=WORLD)
     for rank in range(WORLD):
         out = torch.load(tmp_path / f"rank{rank}.pt")
-        assert out["same"] is None
-        for field in ("max_grad_norm", "mechanism", "batch_size", "dataset_size"):
+        assert out["same"] is None and out["same_ready"] is None
+        for field in ("max_grad_norm", "mechanism", "batch_size", "dataset_size", "seed"):
             param, message = out[field]
             assert param == field and "differs between the data-parallel ranks" in message, (rank, field, message)
             assert "\n" not in message

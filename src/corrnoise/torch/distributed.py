@@ -298,7 +298,8 @@ def check_same_run(fields: dict[str, Any], group) -> None:
             if other.get(key) != reference[key]:
                 raise CorrnoiseError(key, f"differs between the data-parallel ranks (rank 0: {reference[key]!r}, "
                                      f"rank {rank}: {other.get(key)!r}); every rank must make the same make_private "
-                                     "call (the same plan, max_grad_norm and model)")
+                                     "call (the same plan, max_grad_norm and model, a ready sampler built with the "
+                                     "same seed)")
 
 
 @torch.no_grad()

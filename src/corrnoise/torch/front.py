@@ -88,7 +88,8 @@ is refused with one line saying what would fit.
 allowed for a DDP module). Call make_private on every rank with the same arguments:
 
 * one global sampler: the sampler ``seed`` is broadcast from rank 0 (checked equal when given;
-  else rank 0's secret one from the OS), every rank draws the same global batch and the loader
+  else rank 0's secret one from the OS; a ready sampler's seed is checked equal on every rank, so
+  build it with one seed everywhere), every rank draws the same global batch and the loader
   yields its disjoint share (every ``world_size``-th index). Accounting, steps and the expected
   batch size are those of the global batch; with ``epsilon`` only rank 0 calibrates and
   broadcasts the noise_std. ``mechanism="auto"`` is refused (the planner's randomized screening
@@ -118,6 +119,7 @@ from torch.utils.data import DataLoader
 
 from ..accounting import PrivacyResult
 from ..errors import CorrnoiseError, check_int, check_real, user_stacklevel
+from ..noise.seeds import seed_commitment
 from ..noise_memory import budgeted_noise_method, model_noise_budget
 from ..pipelines import AUTO, BATCHINGS
 from ..runplan import RunPlan, choose_batching, is_planned, plan_mechanism, plan_run, planned_batching
@@ -187,13 +189,17 @@ def make_private(
     if noise_method == "auto":  # a plan made under a noise memory budget says how its noise runs
         noise_method = plan.noise_method
     noise_method = budgeted_noise_method(budget, plan.strategy, noise_method, plan.planner_result)
+    sampler = _prepare_sampler(plan, batching, par)
     if par.on:
         described = plan.to_dict()
+        # the sampler seed by commitment: a ready sampler keeps its own seed, one drawn from the OS
+        # per process unless given (found in review: each rank then cut its share of another global
+        # batch, and an example entered one step's sum from two ranks)
         check_same_run({"mechanism": f"{plan.strategy.label} (fingerprint {plan.fingerprint[:16]})",
                         **{k: described[k] for k in _RUN_FIELDS}, "max_grad_norm": max_grad_norm,
                         "loss_reduction": loss_reduction, "noise_method": noise_method,
-                        "parameters": [tuple(p.shape) for p in _trainable(module, optimizer)]}, par.group)
-    sampler = _prepare_sampler(plan, batching, par)
+                        "parameters": [tuple(p.shape) for p in _trainable(module, optimizer)],
+                        "seed": f"sampler seed commitment {seed_commitment(sampler.seed)[:16]}"}, par.group)
     engine, privatizer = _prepare_engine(module, optimizer, plan, sampler, par, max_grad_norm=max_grad_norm,
                                          loss_reduction=loss_reduction, noise_seed=noise_seed,
                                          noise_method=noise_method)
