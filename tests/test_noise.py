@@ -566,11 +566,12 @@ def test_tree_stream_has_no_numpy_streaming_form():
         Tree(N).noise_stream().operator(N)
 
 
-@pytest.mark.parametrize("mechanism, method", [("bsr:4", "regenerate"), ("toeplitz-sqrt", "auto"), ("tree", "auto")])
+@pytest.mark.parametrize("mechanism, method", [("bsr:4", "regenerate"), ("toeplitz-sqrt", "auto"), ("tree", "auto"),
+                                               ("dpcgd:0.9", "auto")])
 def test_a_regenerating_generator_resumes_only_on_its_seed_stream(mechanism, method):
     """Review: a generator that regenerates earlier seed rows, resumed in another float width,
     rebuilt them from another stream (row 5 equalled a fresh float64 run's, not the float32 run's
-    continuation): refused in one line. The same width resumes to the same rows; at step 0 no
+    continuation; DP-CGD's z_{t-1} likewise): refused in one line. The same width resumes to the same rows; at step 0 no
     row was released, so any width is taken; a buffered generator (bsr:4's own recurrence) keeps
     what was released in its buffers and resumes in either."""
     from corrnoise.strategies import parse_strategy

@@ -200,6 +200,12 @@ class DPCGDGenerator(NoiseGenerator):
         super().__init__(n, dim, **kw)
         self.beta = float(beta)
 
+    @property
+    def reads_past_seed_rows(self) -> bool:
+        """Step t regenerates z_{t-1} (found in review: resumed in float64 after a float32 run, z_{t-1}
+        came from the other stream, not the released row's, and C W lost its identity covariance)."""
+        return self.beta != 0.0
+
     def _raw_step(self, t):
         if t > 0 and self.beta != 0.0:
             return self._combination([(t, 1.0), (t - 1, -self.beta)])
