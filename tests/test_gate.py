@@ -149,7 +149,7 @@ def test_methods_declare_their_preconditions_once():
     assert get_method("bandmf").preconditions == (pre.require_square, pre.require_diagonal_for_poisson,
                                                   pre.require_bands_within_blocks)
     assert get_method("pld").preconditions == get_method("bandmf").preconditions
-    assert get_method("gaussian").preconditions == (pre.require_participation_fits,)
+    assert get_method("gaussian").preconditions == (pre.require_participation_fits, pre.require_mechanism_cut_to_steps)
     if method_available("mmcc"):
         assert get_method("mmcc").preconditions == (pre.require_square, pre.require_nonnegative)
         assert get_method("mmcc").requires_nonnegative
@@ -161,6 +161,8 @@ def test_methods_declare_their_preconditions_once():
     (pre.require_diagonal_for_poisson, MechanismEvent(parse_strategy("bsr:2", 6), Poisson(0.1)), "method"),
     (pre.require_bands_within_blocks, MechanismEvent(parse_strategy("bsr:4", 6), BlockCyclic(2, 0.1)), "batching"),
     (pre.require_participation_fits, MechanismEvent(Identity(6), NoBatching("cyclic:3:4")), "participation"),
+    (pre.require_mechanism_cut_to_steps, MechanismEvent(parse_strategy("toeplitz-sqrt+colnorm", 20),
+                                                        NoBatching("cyclic:2:4"), steps=8), "mechanism"),
 ])
 def test_each_precondition_names_its_parameter(check, event, param):
     found = check(event)
@@ -228,6 +230,28 @@ def test_event_steps_account_the_leading_block():
     short = account(MechanismEvent(c, Poisson(0.1), 2.0, steps=5), delta=1e-5)
     assert short.epsilon == account(Identity(5), Poisson(0.1), noise_std=2.0, delta=1e-5).epsilon
     assert short.extras["n"] == 5 and math.isfinite(short.epsilon)
+
+
+def test_a_mechanism_accounted_whole_is_refused_for_fewer_steps_of_repeated_participation():
+    """Review: a column-normalized or tree:full mechanism is accounted whole (not cut to the steps
+    run), so cyclic:2:4 over an 8-step run of a 20-step mechanism was planned with a given noise,
+    trained, and then had no guarantee; with epsilon the schema was refused with advice for 20
+    steps. Both are now refused up front, naming the mechanism; built for the run's steps, or with
+    single participation (the whole mechanism's column norms bound the run's), it is accounted."""
+    from corrnoise.runplan import plan_run
+
+    for mechanism in (parse_strategy("toeplitz-sqrt+colnorm", 20), parse_strategy("tree:full", 20)):
+        for noise in (dict(epsilon=2.0), dict(noise_std=3.0)):
+            with pytest.raises(CorrnoiseError, match=r"^mechanism: .* is built for n = 20 steps and is accounted "
+                                                     r"whole \(not cut to the run's 8\), which cyclic:2:4 does not "
+                                                     r"describe: build the mechanism for 8 steps") as err:
+                plan_run(dataset_size=12, batch_size=3, delta=1e-5, mechanism=mechanism, batching="cyclic", steps=8,
+                         **noise)
+            assert "\n" not in str(err.value)
+        assert plan_run(dataset_size=12, batch_size=3, delta=1e-5, mechanism=mechanism.with_n(8), batching="cyclic",
+                        steps=8, epsilon=2.0).guarantee is not None
+        single = MechanismEvent(mechanism, NoBatching("single"), 3.0, steps=8)
+        assert pre.require_mechanism_cut_to_steps(single) is None and math.isfinite(account(single, delta=1e-5).epsilon)
 
 
 # --- result kinds and options through the gate ---------------------------------------------------

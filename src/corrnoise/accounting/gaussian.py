@@ -23,7 +23,7 @@ from scipy.special import log_ndtr
 
 from ..errors import CorrnoiseError, check_real
 from .base import NoBatching, PrivacyResult, column_norm, register_method
-from .preconditions import require_participation_fits
+from .preconditions import require_mechanism_cut_to_steps, require_participation_fits
 
 __all__ = [
     "gaussian_delta",
@@ -149,7 +149,7 @@ def delta_gaussian(strategy, batching: NoBatching, noise_std: float, epsilon: fl
 
 
 @register_method("gaussian", batchings=(NoBatching,), calibrate=calibrate_gaussian, delta_of=delta_gaussian,
-                 preconditions=(require_participation_fits,),
+                 preconditions=(require_participation_fits, require_mechanism_cut_to_steps),
                  description="exact Gaussian mechanism / mu-GDP, no amplification")
 def account_gaussian(strategy, batching: NoBatching, noise_std: float, delta: float) -> PrivacyResult:
     """Unamplified: mu = sens(C, Pi) / noise_std, epsilon from the exact GDP profile."""

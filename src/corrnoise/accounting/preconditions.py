@@ -17,7 +17,8 @@ from ..errors import CorrnoiseError
 from .batching import BlockCyclic, NoBatching, Poisson
 
 __all__ = ["Violation", "Precondition", "require_square", "require_nonnegative", "require_diagonal_for_poisson",
-           "require_bands_within_blocks", "require_participation_fits", "first_violation"]
+           "require_bands_within_blocks", "require_participation_fits", "require_mechanism_cut_to_steps",
+           "first_violation"]
 
 
 class Violation(NamedTuple):
@@ -87,6 +88,24 @@ def require_participation_fits(event) -> Violation | None:
             schema.validate(event.steps)
         except CorrnoiseError as exc:
             return Violation("participation", f"{schema.spec} does not fit {event.steps} steps: {exc.message}")
+    return None
+
+
+def require_mechanism_cut_to_steps(event) -> Violation | None:
+    """Unamplified accounting validates the schema on the accounted mechanism's columns (Lemma
+    3.15 over the patterns of its n steps).  A column-normalized or ``tree:full`` mechanism is not
+    cut to fewer steps (:func:`~corrnoise.accounting.event.leading_strategy`), so a schema of
+    repeated participation that describes the steps run does not describe its n (found in review:
+    cyclic:2:4 of an 8-step run on a 20-step mechanism was planned with a given noise, trained,
+    and then had no guarantee).  Single participation needs no pattern over n."""
+    from ..participation import Single
+
+    if isinstance(event.batching, NoBatching) and not isinstance(event.batching.participation, Single):
+        n, steps = int(event.mechanism.n), int(event.steps)
+        if n > steps:
+            return Violation("mechanism", f"{event.mechanism.label} is built for n = {n} steps and is accounted "
+                             f"whole (not cut to the run's {steps}), which {event.batching.participation.spec} "
+                             f"does not describe: build the mechanism for {steps} steps")
     return None
 
 
