@@ -95,6 +95,50 @@ def test_a_guarantee_without_fingerprint_is_refused():
     assert "unidentified mechanism" in _refused_as_guarantee(mechanism, stripped)
 
 
+def test_a_given_guarantee_is_proved_again_unless_this_process_computed_it(monkeypatch):
+    """Review: make_private(guarantee=) trusted the guarantee's epsilon at its noise: with noise_std
+    and noise_multiplier edited to a third it trained at 0.74 and reported epsilon 2 (truly 7.08),
+    and an epsilon edited to 0.05 was reported as spent; a plan rebuilt with another noise
+    (with_noise, dataclasses.replace) kept its guarantee. A guarantee is now taken only if this
+    process's accounting computed it, content for content, else it is accounted again: an edited
+    one is refused in one line, a weaker claim (a larger epsilon) and a copy are accepted."""
+    import dataclasses
+
+    import corrnoise.runplan.agreement as agreement
+    from corrnoise.accounting import PrivacyResult
+    from corrnoise.accounting.base import was_proven
+    from corrnoise.runplan import plan_run
+
+    mechanism = BandedSqrt(N_STEPS, 2)
+    g = calibrate(mechanism, "none", epsilon=2.0, delta=1e-5)
+    fields = g.to_dict()
+    third = PrivacyResult.from_dict({**fields, "noise_std": g.noise_std / 3, "noise_multiplier": g.noise_multiplier / 3})
+    assert account(MechanismEvent(mechanism, "none", noise_std=third.noise_std), delta=1e-5).epsilon > 6.0
+    for edited, said in ((third, "epsilon 2 but its noise_std gives 7.0"),
+                         (PrivacyResult.from_dict({**fields, "epsilon": 0.05}), "epsilon 0.05 but its noise_std gives 2")):
+        assert not was_proven(edited)
+        assert said in _refused_as_guarantee(mechanism, edited, examples=10, batch=1)
+    accounted = []
+    monkeypatch.setattr(agreement, "account", lambda *a, **k: accounted.append(1) or account(*a, **k))
+    _, opt, _ = _run(mechanism, g, examples=10, batch=1)  # computed here: taken as it is
+    assert not accounted and opt.plan.guarantee.epsilon == g.epsilon
+    _run(mechanism, PrivacyResult.from_dict(fields), examples=10, batch=1)  # the same content
+    assert not accounted
+    weaker = PrivacyResult.from_dict({**fields, "epsilon": 2.5})
+    _, opt, _ = _run(mechanism, weaker, examples=10, batch=1)
+    assert accounted and opt.plan.guarantee.epsilon == 2.5
+    plan = plan_run(dataset_size=10, batch_size=1, steps=N_STEPS, mechanism=mechanism, batching="cyclic", delta=1e-5,
+                    epsilon=2.0)
+    for rebuilt in (plan.with_noise(plan.noise_std / 3, plan.guarantee),
+                    dataclasses.replace(plan, guarantee=PrivacyResult.from_dict({**plan.guarantee.to_dict(),
+                                                                                  "epsilon": 0.05}))):
+        model = torch.nn.Linear(4, 2)
+        with pytest.raises(CorrnoiseError, match="^(noise_std|guarantee): "):
+            make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         DataLoader(TensorDataset(torch.randn(10, 4), torch.randint(0, 2, (10,))), batch_size=1),
+                         plan=rebuilt, max_grad_norm=1.0)
+
+
 # --- two different C with one label are told apart, per strategy kind with parameters ------------
 def _pairs():
     rng = np.random.default_rng(1)

@@ -366,6 +366,11 @@ def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_gu
     assert not calls  # the cache holds the guarantee make_private verified
     monkeypatch.setenv("CORRNOISE_CACHE", "off")
     assert RunPlan.from_json(path).guarantee.to_dict() == plan.guarantee.to_dict()
+    assert not calls  # this process computed it (accounting.base.was_proven)
+    from corrnoise.accounting import base
+
+    monkeypatch.setattr(base, "_PROVEN", set())  # as a new process: neither the cache nor the process knows it
+    assert RunPlan.from_json(path).guarantee.to_dict() == plan.guarantee.to_dict()
     assert calls == [(plan.noise_std, plan.guarantee.epsilon)]
     _tamper(path, lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] / 2))
     assert "verification" in _refused(path, "verify")

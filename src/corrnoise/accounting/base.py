@@ -23,8 +23,10 @@ Batching specs (``--batching``) live in :mod:`corrnoise.accounting.batching`.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +43,9 @@ __all__ = [
     "parse_batching",
     "PrivacyResult",
     "RESULT_KINDS",
+    "RUN_IDENTITY_KEYS",
+    "note_proven",
+    "was_proven",
     "require_guarantee",
     "MethodSpec",
     "register_method",
@@ -109,9 +114,43 @@ class PrivacyResult:
                    float(values["noise_multiplier"]), str(values["method"]), extras, str(values["kind"]))
 
     def with_extras(self, **extras: Any) -> "PrivacyResult":
-        """A copy with more extras (later keys win)."""
-        return PrivacyResult(self.epsilon, self.delta, self.noise_std, self.noise_multiplier, self.method,
-                             {**self.extras, **extras}, self.kind)
+        """A copy with more extras (later keys win); a proven guarantee stays proven
+        (:func:`note_proven`) unless the new extras rename its run."""
+        out = PrivacyResult(self.epsilon, self.delta, self.noise_std, self.noise_multiplier, self.method,
+                            {**self.extras, **extras}, self.kind)
+        if not set(extras) & {"mechanism", *RUN_IDENTITY_KEYS} and was_proven(self):
+            note_proven(out)
+        return out
+
+
+#: the fields of :func:`~corrnoise.accounting.gate.run_identity`: a privacy result is of a run iff
+#: all of them match
+RUN_IDENTITY_KEYS = ("fingerprint", "n", "batching", "participation")
+
+#: content digests of the guarantees this process's accounting computed or read from its cache
+_PROVEN: set[str] = set()
+
+
+def _content_digest(result: PrivacyResult) -> str:
+    text = json.dumps(result.to_dict(), sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def note_proven(result: PrivacyResult) -> PrivacyResult:
+    """Record ``result`` (a guarantee this process's accounting computed, or read from its cache
+    of verified guarantees) by content, and return it. A result handed back later (a
+    ``guarantee=`` argument, a plan rebuilt with ``dataclasses.replace``) is trusted without
+    re-accounting only if its whole content is one of these (found in review: a guarantee with
+    its noise_std edited to a third was trained with, and its epsilon 2 reported for a run of
+    epsilon 7.08): :func:`corrnoise.runplan.agreement.reproved_guarantee`."""
+    if result.kind == "guarantee":
+        _PROVEN.add(_content_digest(result))
+    return result
+
+
+def was_proven(result: PrivacyResult) -> bool:
+    """Whether ``result``, content for content, is one :func:`note_proven` recorded."""
+    return result.kind == "guarantee" and _content_digest(result) in _PROVEN
 
 
 def require_guarantee(result: PrivacyResult, use: str) -> PrivacyResult:

@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .base import PrivacyResult, column_norm
+from .base import PrivacyResult, column_norm, note_proven
 from .calibrate import DEFAULT_RTOL, calibrate
 from .event import as_event
 
@@ -243,7 +243,7 @@ def cached_guarantee(event_or_strategy, batching=None, *, epsilon: float, delta:
     if directory is None or key is None:
         return None
     hit = lookup(directory, key, event)
-    return None if hit is None else hit.with_extras(cached=True)
+    return None if hit is None else note_proven(hit.with_extras(cached=True))
 
 
 def remember(result: PrivacyResult, event_or_strategy, batching=None, *, epsilon: float, delta: float,
@@ -270,7 +270,7 @@ def cached_calibrate(event_or_strategy, batching=None, *, epsilon: float, delta:
     if key is not None:
         hit = lookup(directory, key, event)
         if hit is not None:
-            return hit.with_extras(cached=True)
+            return note_proven(hit.with_extras(cached=True))
     result = calibrate(event, epsilon=epsilon, delta=delta, method=name, rtol=rtol, start=start, **options)
     if key is not None:
         store(directory, key, result, event)

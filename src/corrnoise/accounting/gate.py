@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import CorrnoiseError
 from ..participation import covers
 from .base import (
+    RUN_IDENTITY_KEYS,
     BallsInBins,
     Batching,
     BlockCyclic,
@@ -30,6 +31,7 @@ from .base import (
     PrivacyResult,
     get_method,
     method_available,
+    note_proven,
     resolve_noise_std,
 )
 from .event import MechanismEvent, as_event
@@ -131,10 +133,6 @@ def run_identity(event: MechanismEvent) -> dict[str, Any]:
     return identity
 
 
-#: the fields of :func:`run_identity`: a privacy result is of a run iff all of them match
-RUN_IDENTITY_KEYS = ("fingerprint", "n", "batching", "participation")
-
-
 def run_mismatch(result: PrivacyResult, identity: dict[str, Any]) -> str | None:
     """How ``result`` was computed for another run than the one ``identity``
     (:func:`run_identity`) describes -- the first differing field, said for people -- or None
@@ -164,5 +162,5 @@ def _annotate(result: PrivacyResult, event: MechanismEvent) -> PrivacyResult:
     :func:`run_identity` (always the event's) in its extras."""
     extras = {**result.extras, "mechanism": result.extras.get("mechanism", event.mechanism.label),
               **run_identity(event)}
-    return PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier, result.method,
-                         extras, result.kind)
+    return note_proven(PrivacyResult(result.epsilon, result.delta, result.noise_std, result.noise_multiplier,
+                                     result.method, extras, result.kind))

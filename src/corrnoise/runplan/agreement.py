@@ -28,14 +28,14 @@ from ..accounting import (
     run_identity,
     run_mismatch,
 )
-from ..accounting.base import require_guarantee
+from ..accounting.base import note_proven, require_guarantee, was_proven
 from ..errors import CorrnoiseError, check_int, check_real
 from ..participation import covers, parse_participation
 from ..sampling import BatchSampler
 from ..strategies import Strategy
 
 __all__ = ["Agreement", "accounted_steps", "balls_in_bins_accounted_steps", "check_agreement", "matching_guarantee",
-           "privacy_spent", "refuse_non_guarantees"]
+           "privacy_spent", "refuse_non_guarantees", "reproved_guarantee"]
 
 
 @dataclass(frozen=True)
@@ -197,3 +197,57 @@ def matching_guarantee(guarantee: PrivacyResult, agreement: Agreement, delta: fl
     if guarantee.delta > delta:
         raise CorrnoiseError("guarantee", f"has delta {guarantee.delta:g} > the run's delta {delta:g}")
     return guarantee
+
+
+def reproved_guarantee(guarantee: PrivacyResult, event: MechanismEvent, method: str, options: dict[str, Any],
+                       source: str) -> PrivacyResult:
+    """``guarantee`` once this code has proved it for ``event``'s noise, or a one-line error naming
+    ``guarantee``: a given result's epsilon is a claim (a file someone wrote, a dict edited, a plan
+    rebuilt with another noise), and training reports it as spent. ``source`` names where it came
+    from in the error. The caller has checked that it is of this run (:func:`matching_guarantee`).
+
+    A guarantee this process's accounting computed, content for content
+    (:func:`~corrnoise.accounting.base.was_proven`), at exactly the event's noise, is taken as it
+    is. Otherwise, analytic methods: epsilon(delta) re-accounted (deterministic: the same number,
+    up to rounding). Monte Carlo (balls-in-bins): a verified guarantee in the cache for this event,
+    epsilon and a delta that leaves room for the planner's selection
+    (:func:`corrnoise.accounting.montecarlo.selection_delta`), at no more noise than the plan's;
+    else a fresh verification at the plan's (epsilon, delta) (Estimate-Verify-Release, seed 000
+    Thm 2.1: a failure releases nothing)."""
+    if guarantee.noise_std != event.noise_std:
+        raise CorrnoiseError("guarantee", f"{source}: the guarantee is for noise_std {guarantee.noise_std!r}, the run "
+                             f"adds {event.noise_std!r}")
+    if was_proven(guarantee):
+        return guarantee
+    if method != "mc" or event.batching.bins == 1:  # one bin: the exact Gaussian mechanism, no sampling
+        again = account(event, delta=guarantee.delta, method=method, **options)
+        # a relative 1e-9: the same accounting on another machine's BLAS/FFT kernels may differ in
+        # its last digits; an edit that matters is far larger
+        if again.epsilon > guarantee.epsilon * (1.0 + 1e-9) + 1e-12:
+            raise CorrnoiseError("guarantee", f"{source} says epsilon {guarantee.epsilon:.6g} but its noise_std gives "
+                                 f"{again.epsilon:.6g} ({method}): it was edited or made by other code")
+        return note_proven(guarantee)
+    if not _verified_in_cache(guarantee, event):
+        from ..accounting.montecarlo import release_verified, verify_privacy
+        from ..progress import LineProgress
+
+        release_verified(verify_privacy(event.mechanism.matrix(), event.batching.bins, event.noise_std,
+                                        guarantee.epsilon, guarantee.delta,
+                                        progress=LineProgress(f"{source}: verifying its guarantee")))
+    return note_proven(guarantee)
+
+
+def _verified_in_cache(guarantee: PrivacyResult, event: MechanismEvent) -> bool:
+    """Whether the cache holds a verified guarantee for this event and epsilon, at no more noise
+    than the plan's, verified at the plan's delta or at the planner's delta_v for it."""
+    from ..accounting.cache import cached_guarantee
+    from ..accounting.montecarlo import standing_deltas
+    from ..planner.constants import FINAL_MC_SAMPLES, MAX_FINALIZE
+
+    for verified_at in standing_deltas(guarantee.delta, MAX_FINALIZE):
+        for options in ({"samples": FINAL_MC_SAMPLES}, {}):  # the planner's calibration, make_private's
+            hit = cached_guarantee(event.without_noise(), epsilon=guarantee.epsilon, delta=verified_at,
+                                   method="mc", **options)
+            if hit is not None and hit.noise_std <= event.noise_std:
+                return True
+    return False

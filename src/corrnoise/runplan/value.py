@@ -6,7 +6,8 @@ large arrays, ``<stem>.mechanism.npz``). Loading re-checks everything the plan c
 content: the mechanism's fingerprint equals the recorded one, the sampler it names is the one it
 describes, the batching is the sampler's, the accounting gate passes, and the guarantee is of
 exactly this run (:func:`corrnoise.accounting.run_identity`) with this noise_std and delta.
-The guarantee's epsilon is a claim until this code proves it again (:func:`_reproved`): analytic
+The guarantee's epsilon is a claim until this code proves it again
+(:func:`~corrnoise.runplan.agreement.reproved_guarantee`): analytic
 accounting is re-run at the plan's noise; a Monte Carlo guarantee is read from the cache of
 verified guarantees or verified afresh (seed 000 Thm 2.1; ~1e8 samples at delta 1e-5).
 Any disagreement is a one-line CorrnoiseError naming the field.
@@ -35,7 +36,7 @@ from ..accounting import (
 from ..errors import CorrnoiseError, check_int, check_real
 from ..strategies import Strategy, load_mechanism, mechanism_fingerprint, save_mechanism
 from ..strategies.io import read_json_document
-from .agreement import Agreement, refuse_non_guarantees
+from .agreement import Agreement, refuse_non_guarantees, reproved_guarantee
 from .batching import SamplerSpec
 
 __all__ = ["RunPlan", "FORMAT", "VERSION", "check_plan_path"]
@@ -116,6 +117,16 @@ class RunPlan:
     def with_noise(self, noise_std: float, guarantee: PrivacyResult | None) -> "RunPlan":
         """The same run with another noise (data parallel: the noise rank 0 calibrated)."""
         return replace(self, event=self.event.with_noise(noise_std), guarantee=guarantee)
+
+    def check_guarantee(self) -> None:
+        """Refuse (one line) a guarantee that is not of exactly this run, noise and delta, or that
+        this code cannot prove again (:func:`~corrnoise.runplan.agreement.reproved_guarantee`): a
+        plan can be rebuilt with :meth:`with_noise` or ``dataclasses.replace`` (found in review: a
+        plan with a third of its noise kept its guarantee, and epsilon 2 was reported for a run of
+        epsilon 7.08)."""
+        if self.guarantee is not None:
+            reproved_guarantee(_checked_guarantee(self.guarantee.to_dict(), self.event, self.delta), self.event,
+                               self.method, self.accounting_options, "the plan's guarantee")
 
     def check_fits(self, *, dataset_size: int | None = None, batch_size: int | None = None,
                    steps: int | None = None, epochs: float | None = None) -> None:
@@ -206,8 +217,8 @@ def _load(doc: dict[str, Any], path: Path) -> RunPlan:
     method = prepare(event.without_noise(), doc.get("accounting_method", "auto")).name
     if method != doc["method"]:
         raise CorrnoiseError("method", f"the plan says {doc['method']!r} but the gate chooses {method!r} for this run")
-    guarantee = None if doc["guarantee"] is None else _reproved(
-        _checked_guarantee(doc["guarantee"], event, delta), event, method, options)
+    guarantee = None if doc["guarantee"] is None else reproved_guarantee(
+        _checked_guarantee(doc["guarantee"], event, delta), event, method, options, "corrnoise plan file")
     epochs = doc.get("epochs")
     plan = RunPlan(strategy, sampler, event, method, guarantee, sampler.num_examples, sampler.batch_size,
                    None if epochs is None else check_real("epochs", epochs, low=0.0, low_open=True),
@@ -241,49 +252,3 @@ def _checked_guarantee(data: Any, event: MechanismEvent, delta: float) -> Privac
     if guarantee.delta > delta:
         raise CorrnoiseError("delta", f"the plan's guarantee has delta {guarantee.delta:g} > the plan's {delta:g}")
     return guarantee
-
-
-def _reproved(guarantee: PrivacyResult, event: MechanismEvent, method: str, options: dict[str, Any]) -> PrivacyResult:
-    """The plan file's guarantee once this code has proved it again for the plan's noise, or a
-    one-line error naming ``guarantee``: a file's epsilon is what someone wrote, and training
-    reports it as spent.
-
-    Analytic methods: epsilon(delta) re-accounted (deterministic: the same number, up to
-    rounding).  Monte Carlo (balls-in-bins): a verified guarantee in the cache for this event,
-    epsilon and a delta that leaves room for the planner's selection
-    (:func:`corrnoise.accounting.montecarlo.selection_delta`), at no more noise than the plan's;
-    else a fresh verification at the plan's (epsilon, delta) (Estimate-Verify-Release, seed 000
-    Thm 2.1: a failure releases nothing)."""
-    if method != "mc" or event.batching.bins == 1:  # one bin: the exact Gaussian mechanism, no sampling
-        from ..accounting import account
-
-        again = account(event, delta=guarantee.delta, method=method, **options)
-        if again.epsilon > guarantee.epsilon * (1.0 + 1e-9) + 1e-12:
-            raise CorrnoiseError("guarantee", f"the plan says epsilon {guarantee.epsilon:.6g} but its noise_std gives "
-                                 f"{again.epsilon:.6g} ({method}): the file was edited or made by other code")
-        return guarantee
-    if _verified_in_cache(guarantee, event):
-        return guarantee
-    from ..accounting.montecarlo import release_verified, verify_privacy
-    from ..progress import LineProgress
-
-    release_verified(verify_privacy(event.mechanism.matrix(), event.batching.bins, event.noise_std,
-                                    guarantee.epsilon, guarantee.delta,
-                                    progress=LineProgress("corrnoise plan file: verifying its guarantee")))
-    return guarantee
-
-
-def _verified_in_cache(guarantee: PrivacyResult, event: MechanismEvent) -> bool:
-    """Whether the cache holds a verified guarantee for this event and epsilon, at no more noise
-    than the plan's, verified at the plan's delta or at the planner's delta_v for it."""
-    from ..accounting.cache import cached_guarantee
-    from ..accounting.montecarlo import standing_deltas
-    from ..planner.constants import FINAL_MC_SAMPLES, MAX_FINALIZE
-
-    for verified_at in standing_deltas(guarantee.delta, MAX_FINALIZE):
-        for options in ({"samples": FINAL_MC_SAMPLES}, {}):  # the planner's calibration, make_private's
-            hit = cached_guarantee(event.without_noise(), epsilon=guarantee.epsilon, delta=verified_at,
-                                   method="mc", **options)
-            if hit is not None and hit.noise_std <= event.noise_std:
-                return True
-    return False

@@ -313,6 +313,7 @@ def _check_given_plan(plan, planning: dict[str, Any], dataset_size: int, batch_s
         raise CorrnoiseError("delta", f"the plan is for delta {plan.delta:g}, not {planning['delta']:g}")
     plan.check_fits(dataset_size=dataset_size, batch_size=batch_size, steps=planning["steps"],
                     epochs=planning["epochs"])
+    plan.check_guarantee()
     ready = planning["batching"]
     if isinstance(ready, BatchSampler) and (plan.sampler.name is not None
                                             or ready.describe() != plan.sampler.description):
