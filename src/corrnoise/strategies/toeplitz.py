@@ -22,18 +22,22 @@ class Toeplitz(Strategy):
     """Lower-triangular Toeplitz C with first column ``coefficients`` (zero-padded to n).
 
     A coefficient vector shorter than n is a banded Toeplitz matrix (tutorial Sec. 2.4).
+    ``_inverse``: the first column of C^{-1} in closed form, for the library's own subclasses only
+    (the noise uses it, the accounting uses ``coefficients``: nothing checks that they agree --
+    found in review as a public keyword, where an inconsistent pair had the plain Toeplitz's
+    fingerprint).
     """
 
     kind = "toeplitz"
 
-    def __init__(self, coefficients: np.ndarray, n: int, inverse_coefficients: np.ndarray | None = None):
+    def __init__(self, coefficients: np.ndarray, n: int, *, _inverse: np.ndarray | None = None):
         self.n = check_int("n", n, minimum=1)
         c = check_finite_array("coefficients", coefficients, ndim=1)
         if c.size == 0 or c[0] == 0.0:
             raise CorrnoiseError("coefficients", "c_0 must be non-zero (otherwise C is singular)")
         length = max(tp.effective_length(c), 1)
         self._c = c[: min(length, self.n)].copy()
-        self._given_inverse = inverse_coefficients
+        self._given_inverse = _inverse
 
     @property
     def label(self) -> str:
@@ -150,7 +154,7 @@ class Identity(_ParameterFree):
     kind = "identity"
 
     def __init__(self, n: int):
-        super().__init__(np.ones(1), n, inverse_coefficients=np.ones(1))
+        super().__init__(np.ones(1), n, _inverse=np.ones(1))
 
     def noise_stream(self) -> NoiseStream:
         """DP-SGD: Z[t] itself, no state."""
@@ -165,7 +169,7 @@ class Prefix(_ParameterFree):
 
     def __init__(self, n: int):
         n = check_int("n", n, minimum=1)
-        super().__init__(np.ones(n), n, inverse_coefficients=np.array([1.0, -1.0]))
+        super().__init__(np.ones(n), n, _inverse=np.array([1.0, -1.0]))
 
 
 
@@ -176,7 +180,7 @@ class ToeplitzSqrt(_ParameterFree):
 
     def __init__(self, n: int):
         n = check_int("n", n, minimum=1)
-        super().__init__(tp.prefix_sqrt_coefficients(n), n, inverse_coefficients=tp.prefix_sqrt_inverse_coefficients(n))
+        super().__init__(tp.prefix_sqrt_coefficients(n), n, _inverse=tp.prefix_sqrt_inverse_coefficients(n))
 
 
 
@@ -226,11 +230,13 @@ class BandedInverse(Toeplitz):
     never needed for the noise: (C^{-1} Z)[t] = sum_{j < P} q_j Z[t - j] is regenerated from
     the key, P seed-noise rows per step and no buffers (seed 003 Sec. 4). Products and streams
     use the P taps of C^{-1} (FIR for C^{-1}, IIR for C), never C's n coefficients.
+    ``_coefficients``: C's first column in closed form, for the library's own subclasses only (the
+    accounting uses it, the noise q: an inconsistent pair is not checked).
     """
 
     kind = "bandinv"
 
-    def __init__(self, n: int, inverse_coefficients, coefficients: np.ndarray | None = None):
+    def __init__(self, n: int, inverse_coefficients, *, _coefficients: np.ndarray | None = None):
         n = check_int("n", n, minimum=1)
         q = check_finite_array("inverse_coefficients", inverse_coefficients, ndim=1)
         if q.size == 0 or q[0] == 0.0:
@@ -239,10 +245,10 @@ class BandedInverse(Toeplitz):
         if q.size > n:
             raise CorrnoiseError("bands", f"C^-1 has {q.size} bands, more than n = {n}")
         self._q = q.copy()
-        c = tp.series_inverse(q, n) if coefficients is None else coefficients
+        c = tp.series_inverse(q, n) if _coefficients is None else _coefficients
         if not np.all(np.isfinite(c)):
             raise CorrnoiseError("inverse_coefficients", "C = T_q^-1 overflows (q has a root inside the unit disk)")
-        super().__init__(c, n, inverse_coefficients=q)
+        super().__init__(c, n, _inverse=q)
 
     @property
     def label(self):
@@ -309,7 +315,7 @@ class BandedInverseSqrt(BandedInverse):
 
     def __init__(self, n: int, bands: int):
         n, bands = _check_bands(n, bands)
-        super().__init__(n, tp.bisr_inverse_coefficients(bands), coefficients=tp.bisr_coefficients(bands, n))
+        super().__init__(n, tp.bisr_inverse_coefficients(bands), _coefficients=tp.bisr_coefficients(bands, n))
 
     @property
     def label(self):

@@ -28,7 +28,7 @@ from ..errors import CorrnoiseError, check_int
 from ..noise import DEFAULT_CHUNK, make_generator, resolve_dim
 from ..noise.seeds import check_seed, new_secret_seed
 from ..noise.base import split_flat
-from .privatizer import Privatizer
+from .privatizer import Privatizer, noise_dtype
 
 __all__ = ["shard_bounds", "ShardedNoise", "DistributedPrivatizer", "broadcast_seed", "local_batch",
            "seed_to_limbs", "limbs_to_seed", "data_parallel", "refuse_sharded_parameters", "global_rank0", "shared_sampler_seed", "broadcast_module"]
@@ -188,9 +188,9 @@ class DistributedPrivatizer(Privatizer):
         parameters = list(parameters)
         if not parameters:
             raise CorrnoiseError("parameters", "no parameters to privatize")
-        p0 = parameters[0]
-        gen = ShardedNoise(strategy, [p.shape for p in parameters], noise_std=noise_std, seed=seed, device=p0.device,
-                           dtype=p0.dtype, method=method, chunk_size=chunk_size, group=group)
+        gen = ShardedNoise(strategy, [p.shape for p in parameters], noise_std=noise_std, seed=seed,
+                           device=parameters[0].device, dtype=noise_dtype(parameters), method=method,
+                           chunk_size=chunk_size, group=group)
         return cls(gen, clip_norm, expected_batch_size)
 
     def all_reduce(self, sums) -> list[torch.Tensor]:

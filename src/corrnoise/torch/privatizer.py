@@ -20,7 +20,7 @@ import torch
 from ..errors import CorrnoiseError, check_real
 from ..noise import make_generator
 
-__all__ = ["Privatizer", "privatize_sum"]
+__all__ = ["Privatizer", "noise_dtype", "privatize_sum"]
 
 
 def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], clip_norm: float,
@@ -55,6 +55,15 @@ def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], c
     return list(out)
 
 
+def noise_dtype(parameters: Sequence[torch.Tensor]) -> torch.dtype:
+    """The noise's float width: the widest of the parameters' (found in review: the first
+    parameter's, so a float32 parameter behind a bfloat16 one got bfloat16-rounded noise)."""
+    dtype = parameters[0].dtype
+    for p in parameters[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
+
+
 class Privatizer:
     """Adds zeta * nu * (C^{-1} Z)[t] to summed clipped gradients and divides by B.
 
@@ -84,9 +93,8 @@ class Privatizer:
         parameters = list(parameters)
         if not parameters:
             raise CorrnoiseError("parameters", "no parameters to privatize")
-        p0 = parameters[0]
         gen = make_generator(strategy, [p.shape for p in parameters], noise_std=noise_std, seed=seed,
-                             device=p0.device, dtype=p0.dtype, method=method)
+                             device=parameters[0].device, dtype=noise_dtype(parameters), method=method)
         return cls(gen, clip_norm, expected_batch_size)
 
     @property
