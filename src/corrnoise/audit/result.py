@@ -36,7 +36,8 @@ class AuditResult:
 
     ``kind="lower_bound"``: ``epsilon_lower`` is a lower bound on the epsilon (at ``delta``) of
     the audited run that holds with probability >= ``confidence`` over the audit's own
-    randomness, whatever the mechanism (only the runs' independence is assumed: many-run), or
+    randomness, whatever the mechanism (many-run: the runs are assumed independent, and with
+    several canaries a run, the canaries within a run too -- each on its own coordinates), or
     over the canaries' fair coins (one-run). ``kind="estimate"``: ``epsilon_estimate`` under an
     assumption named in ``method`` (e.g. ``gdp-fit``); no confidence, no bound.
     ``canaries``: canaries scored; ``runs``: training runs used; ``auc``: area under the ROC of

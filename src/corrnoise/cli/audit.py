@@ -25,8 +25,8 @@ FIRST = ("kind", "epsilon_lower", "epsilon_guarantee", "delta", "confidence", "m
 @click.option("--audit-delta", "audit_delta", type=float, default=None,
               help="Compare bound and guarantee at this delta (default: --delta).")
 @click.option("--canaries", type=int, default=1, show_default=True,
-              help="1: many-run audit of small runs (one canary per run); K > 1: one-run audit of the dataset's real "
-                   "training run (default model and hyperparameters) with K fair-coin canaries.")
+              help="1: many-run audit of small runs (--per-run canaries a run, default 64); K > 1: one-run audit of "
+                   "the dataset's real training run (default model and hyperparameters) with K fair-coin canaries.")
 @click.option("--runs", type=int, default=None, help="Training runs of the many-run audit (default 400).")
 @click.option("--per-run", "per_run", type=int, default=64, show_default=True,
               help="Many-run: canaries in each small run, each its own trial (dead coordinates, independent "
