@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from corrnoise.accounting import account, parse_batching
@@ -424,10 +425,10 @@ def test_low_precision_clipping_keeps_each_contribution_within_the_clip_norm(dty
         torch.manual_seed(k)
         model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.Linear(300, 7)).to(dtype)
         ds = TensorDataset(torch.randn(4, 200, generator=g).to(dtype) * 30, torch.randn(4, 7, generator=g).to(dtype))
-        _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), DataLoader(ds, batch_size=1),
+        _, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), DataLoader(ds, batch_size=1),
                                       mechanism="identity", noise_std=1.0, delta=1e-5, steps=4, max_grad_norm=1.0,
                                       batching="cyclic")
-        for x, y in loader:
+        for x, y in DataLoader(ds, batch_size=1):  # the engine alone: no step, no noise
             (model(x).float() - y.float()).pow(2).sum().backward()
             sums, _ = opt.engine.clipped_sum(1)
             assert all(s.dtype == torch.float32 for s in sums)
@@ -673,9 +674,12 @@ def test_virtual_steps_are_refused_accumulated_batches_too():
     batches = iter(loader)
     x, y = next(batches)
     F.cross_entropy(model(x), y).backward()
-    x, y = next(batches)  # a second sampled batch into the same noise row: its forward is refused
+    with pytest.raises(CorrnoiseError) as e:  # the loader gives no second batch before the step
+        next(batches)
+    _one_line(e, "optimizer")
+    x2, y2 = _batch(8)  # a second batch from elsewhere into the same noise row: its forward is refused
     with pytest.raises(CorrnoiseError) as e:
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x2.to(x.dtype)), y2).backward()
     _one_line(e, "engine")
     with pytest.raises(CorrnoiseError) as e:
         opt.signal_skip_step(do_skip=True)
@@ -748,3 +752,63 @@ def test_micro_batches_cut_every_logical_batch_into_exactly_k_parts():
     with pytest.raises(CorrnoiseError) as err:
         DPDataLoader(data, sampler, steps_per_epoch=6, micro_batches=3, max_physical_batch_size=2)
     assert err.value.param == "micro_batches"
+
+
+# --- the loop around micro-batches (review) --------------------------------------------------------
+def test_a_second_micro_batch_before_the_step_of_the_first_is_refused():
+    """Review: summing two micro-batches' losses before one backward clipped example k of each as
+    one example (a released sum that moved by 2 C when one example was zeroed) whenever the two had
+    the same size. The loader now refuses to yield a batch before step() took the previous one."""
+    _, opt, loader = _front(_mlp(), CyclicSampler(40, 6, steps=4, seed=0), max_physical_batch_size=3)
+    batches = iter(loader)
+    next(batches)
+    with pytest.raises(CorrnoiseError, match="^optimizer: the private loader's next batch was asked for before "
+                                             "optimizer.step\\(\\) took the previous one") as err:
+        next(batches)
+    assert "\n" not in str(err.value)
+
+
+def _stepped_once(model, opt, loader, break_after=None):
+    """Step 0 over the loader's micro-batches; ``break_after``: leave the loader after that many
+    micro-batches were stepped and one more was fetched, then iterate it again."""
+    if break_after is not None:
+        for k, (x, y) in enumerate(loader):
+            if k == break_after:
+                break  # e.g. an out-of-memory error in this micro-batch, caught, the epoch retried
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for x, y in loader:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if opt.steps_taken == 1:
+            break
+    return opt.last_stats, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_logical_batch_iterated_again_after_the_loop_left_it_counts_each_micro_batch_once():
+    """Review: leaving the loader after micro-batch 1 of a logical batch of 7 (physical 3) and
+    iterating it again added micro-batch 1's clipped sum twice (count 10 for 7 examples, each of
+    them 2 clip(g)). The step's first micro-batch again drops what was accumulated (nothing of it
+    was released): the update equals the uninterrupted one."""
+    runs = []
+    for break_after in (None, 1):
+        model = _mlp()
+        _, opt, loader = _front(model, CyclicSampler(40, 7, steps=4, seed=0), max_physical_batch_size=3)
+        runs.append(_stepped_once(model, opt, loader, break_after))
+    (stats, params), (again_stats, again_params) = runs
+    assert again_stats == stats and stats["count"] == 7
+    for a, b in zip(params, again_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_padded_dataset_of_balls_in_bins_is_refused_as_the_loader_dataset():
+    """Review: a loader over BallsInBinsSampler.wrap_dataset(ds) was planned for 2N examples, each
+    one twice (the private loader pads by itself)."""
+    sampler = BallsInBinsSampler(40, 5, 10, batch_size=8, seed=4)
+    model = _mlp()
+    with pytest.raises(CorrnoiseError, match="^data_loader: its dataset is BallsInBinsSampler.wrap_dataset's"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     DataLoader(sampler.wrap_dataset(_dataset()), batch_size=8), mechanism="identity", noise_std=1.0,
+                     delta=1e-5, max_grad_norm=1.0, steps=10)

@@ -155,13 +155,15 @@ class PrivacyArguments:
 
 
 class _Micro(NamedTuple):
-    """Where a training batch sits: its logical step, its size, its padding mask, and whether
-    more micro-batches of the same step follow (what the private optimizer's step context holds)."""
+    """Where a training batch sits: its logical step, its size, its padding mask, whether more
+    micro-batches of the same step follow, and its position in the step (what the private
+    optimizer's step context holds)."""
 
     step: int
     size: int
     mask: torch.Tensor | None
     more: bool
+    index: int
 
 
 class _TrainerLoader(DPDataLoader):
@@ -169,13 +171,15 @@ class _TrainerLoader(DPDataLoader):
     step's micro-batches before training on them, so the shared step context would otherwise
     describe the last one fetched, not the one in hand."""
 
+    _prefetched = True
+
     def __iter__(self):
         for batch in super().__iter__():
             if not isinstance(batch, MutableMapping):
                 raise CorrnoiseError("data_collator", f"must return a dict of model inputs, got "
                                      f"{type(batch).__name__}")
             c = self.context
-            batch[_MICRO_KEY] = _Micro(c.current_step, c.size, c.mask, c.more_micro_batches)
+            batch[_MICRO_KEY] = _Micro(c.current_step, c.size, c.mask, c.more_micro_batches, c.micro_batch)
             yield batch
 
 
@@ -357,7 +361,7 @@ class PrivateTrainer(transformers.Trainer):
             raise CorrnoiseError("inputs", "not a batch of the private train loader (get_train_dataloader): only "
                                  "its batches are the accounted ones")
         context = self.private_optimizer.context
-        context.current_step, context.size, context.mask, context.more_micro_batches = micro
+        context.current_step, context.size, context.mask, context.more_micro_batches, context.micro_batch = micro
         if micro.size == 0:
             loss = torch.zeros((), device=self.args.device)
         else:

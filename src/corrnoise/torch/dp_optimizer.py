@@ -72,6 +72,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accounting_options = dict(accounting_options or {})
         self.sampler = sampler
         self.context = context or StepContext()
+        self.context.stepped = True  # the loader sharing it waits for step() before its next batch
         self.store_noise_seed = bool(store_noise_seed)
         self.calibration = calibration
         self.plan = None  # make_private sets it
@@ -220,6 +221,11 @@ class DPOptimizer(torch.optim.Optimizer):
                                      "before optimizer.step() (zero_grad() drops what backward captured)")
             sums, norms = self.engine.clipped_sum(size, weights=self.context.mask)
         self.engine.clear()
+        if self.context.micro_batch == 0 and self._sums is not None:
+            # the step's first micro-batch again: a new pass over the loader after one left mid
+            # logical batch (found in review: the micro-batches taken before were added twice, an
+            # example's clipped gradient counted 2 times); nothing of them was released
+            self._sums, self._count, self._clipped, self._nonfinite = None, 0, 0, 0
         if self._sums is None:
             self._sums = list(sums)
         else:

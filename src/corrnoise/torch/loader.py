@@ -28,12 +28,15 @@ __all__ = ["DPDataLoader", "BATCHINGS", "StepContext", "choose_batching", "loade
 
 class StepContext:
     """What the loader and the optimizer share: the next step to take (the optimizer's
-    ``steps_taken``), the logical step of the micro-batch the user's loop is on, whether more
-    micro-batches of it follow, and which entries are padding."""
+    ``steps_taken``), the logical step of the micro-batch the user's loop is on and its position
+    in it, whether more micro-batches of it follow, its size (None once the optimizer took it)
+    and which entries are padding."""
 
     def __init__(self) -> None:
         self.next_step = 0
         self.current_step: int | None = None
+        self.micro_batch = 0  # the position of that micro-batch in its logical batch
+        self.stepped = False  # whether an optimizer takes each batch (DPOptimizer sets it)
         self.more_micro_batches = False
         self.size: int | None = None
         self.mask: torch.Tensor | None = None
@@ -188,6 +191,10 @@ class DPDataLoader(DataLoader):
         super().__init__(items, batch_sampler=self._cutter,
                          collate_fn=_Collate(dataset, collate_fn or default_collate), **loader_kwargs)
 
+    #: whether a subclass hands each micro-batch's context to the optimizer itself (the Trainer's
+    #: loader fetches a step's micro-batches before training on them)
+    _prefetched = False
+
     def _window(self) -> None:
         start = self.context.next_step
         self._cutter.start = start
@@ -206,10 +213,24 @@ class DPDataLoader(DataLoader):
         self._window()
         num = self.corrnoise_sampler.num_examples
         cuts = self._cutter.cuts()
+        position, yielded = 0, False
         for (t, indices, last), batch in zip(cuts, super().__iter__()):
+            if yielded and self.context.stepped and not self._prefetched and self.context.size is not None:
+                # found in review: two micro-batches forwarded before one backward were clipped as
+                # one example each pair (a released sum that moved by 2 C for one example)
+                raise CorrnoiseError("optimizer", f"the private loader's next batch was asked for before "
+                                     f"optimizer.step() took the previous one (step {self.context.current_step}): "
+                                     "call loss.backward() and optimizer.step() on each batch it yields (with "
+                                     "max_physical_batch_size, step() after each micro-batch keeps its clipped sum "
+                                     "and adds the noise after the last); losses of several batches summed before "
+                                     "one backward would be clipped together")
             if self.context.current_step != t:
                 self.context.clear_batch()
                 self.context.current_step = t
+                position = 0
+            self.context.micro_batch = position
+            position += 1
+            yielded = True
             self.context.size = len(indices)
             self.context.mask = torch.tensor([0.0 if i >= num else 1.0 for i in indices]) if self._padded else None
             self.context.more_micro_batches = not last
@@ -221,6 +242,12 @@ def loader_settings(data_loader) -> tuple[Any, int, dict[str, Any], Any]:
     if not isinstance(data_loader, DataLoader):
         raise CorrnoiseError("data_loader", f"must be a torch DataLoader, got {type(data_loader).__name__}")
     dataset = data_loader.dataset
+    from ..sampling import PaddedDataset
+
+    if isinstance(dataset, PaddedDataset):  # found in review: planned for 2N examples, each one twice
+        raise CorrnoiseError("data_loader", "its dataset is BallsInBinsSampler.wrap_dataset's padded one (2N items, "
+                             "each example twice): give the plain dataset; the private loader pads fixed-size "
+                             "balls-in-bins batches itself and masks the padding")
     try:
         len(dataset)
     except TypeError:
