@@ -424,6 +424,8 @@ def test_the_p_equals_p_reference_under_block_cyclic_sampling_is_an_estimate_not
     is no lower bound there: the found case (hypothesis) is labelled an estimate."""
     c = random_lower(4, 1)
     reference = M.mmcc_epsilon(c, None, 0.9, 0.7, 1e-5, blocks=2, lower_bound=True)
-    assert reference.extras["epsilon_mmcc"] > reference.extras["epsilon_unamplified_guarantee"]
-    assert reference.kind == "estimate"
+    assert reference.extras["epsilon_mmcc_estimate"] > reference.extras["epsilon_unamplified_guarantee"]
+    assert reference.kind == "estimate" and "lower_bound" not in reference.extras  # review: it said lower_bound true
+    lower = M.mmcc_epsilon(c, None, 0.9, 0.7, 1e-5, lower_bound=True)
+    assert "epsilon_mmcc_lower_bound" in lower.extras and "epsilon_mmcc" not in lower.extras
     assert M.mmcc_epsilon(c, None, 0.9, 0.7, 1e-5, lower_bound=True).kind == "lower_bound"

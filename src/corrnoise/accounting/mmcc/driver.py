@@ -303,6 +303,13 @@ def mmcc_epsilon(
     }
     if lower_bound:  # the unamplified epsilon is a guarantee (an upper bound): say so beside a lower bound
         extras["epsilon_unamplified_guarantee"] = extras.pop("epsilon_unamplified")
+        # the p~ = p composition is named by its kind, and "lower_bound" (the request) does not
+        # contradict an estimate (found in review: block-cyclic output said kind estimate and
+        # lower_bound true)
+        kind = _reference_kind(blocks)
+        extras[f"epsilon_mmcc_{kind}"] = extras.pop("epsilon_mmcc")
+        del extras["lower_bound"]
+        extras["reference"] = "p~ = p"
     else:
         extras["epsilon_renyi"] = float(eps_renyi)
         extras["renyi_order"] = renyi_order
