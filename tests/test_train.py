@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from corrnoise.accounting import Poisson, account
 from corrnoise.cli import cli, main
+from corrnoise.errors import CorrnoiseError
 from corrnoise.strategies import Identity
 from corrnoise.training import train
 
@@ -45,6 +46,8 @@ def test_the_planner_chooses_for_the_cyclic_pipeline():
     out = train("digits", "auto", batching="cyclic", epsilon=8.0, delta=1e-5, epochs=1, batch_size=128,
                 seed=0, device="cpu")
     assert out["batching"] == "none" and out["kind"] == "guarantee" and out["epsilon"] <= 8.0
+    # review: "none" alone does not say what the epsilon is for (single participation is less)
+    assert out["participation"] == "cyclic:1:11"
     assert out["candidates"] and all(c["batching"] == "none" for c in out["candidates"])
 
 
@@ -152,3 +155,44 @@ def test_sampler_seed_reproduces_amplified_batches_for_experiments_with_a_warnin
             train("digits", "identity", batching="poisson", epsilon=8.0, delta=1e-5, epochs=0.3, batch_size=128,
                   seed=seed, sampler_seed=11, device="cpu")
     assert drawn[0] == drawn[1]
+
+
+def test_a_run_whose_loss_goes_nan_keeps_its_json_and_says_so():
+    """Review: --json lost the whole result (epsilon spent included) to a NaN loss ("internal
+    error"); the table printed train_loss nan. Now the loss is null and the steps with examples
+    left out are counted."""
+    res = CliRunner().invoke(cli, ["train", "--dataset", "digits", "--mechanism", "identity", "--batching", "cyclic",
+                                   "--epsilon", "4", "--delta", "1e-5", "--epochs", "1", "--batch-size", "256",
+                                   "--lr", "3e38", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["train_loss"] is None and out["nonfinite_steps"] > 0 and out["kind"] == "guarantee"
+    assert main(["train", "--mechanism", "dpsgd", "--epsilon", "8", "--delta", "1e-5", "--lr", "1e300"]) == 2
+
+
+def test_a_plan_of_given_noise_is_accounted_against_the_budget_before_it_trains(tmp_path, monkeypatch, capsys):
+    """Review: a plan of a given noise whose epsilon (8.17) exceeds --epsilon 1 trained the whole
+    run, then ended in an internal error; and a plan made for the auto pipeline was refused with
+    --batching naming its own batching."""
+    import corrnoise.training as training
+    from corrnoise.runplan import plan_run
+
+    path = str(tmp_path / "given.json")
+    plan_run(dataset_size=1437, batch_size=64, delta=1e-5, mechanism="dpcgd:0.9", batching="cyclic", noise_std=2.0,
+             epochs=1).to_json(path)
+    monkeypatch.setattr(training, "_loop", lambda *a, **k: pytest.fail("trained before the budget was checked"))
+    assert main(["train", "--dataset", "digits", "--plan", path, "--epsilon", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: epsilon: the plan's noise gives epsilon") and "> the budget 1" in err, err
+    monkeypatch.undo()
+    from corrnoise.runplan import RunPlan
+
+    out = train("digits", plan=RunPlan.from_json(path), epsilon=100.0, device="cpu")
+    again = account(RunPlan.from_json(path).event, delta=1e-5)
+    assert out["kind"] == "guarantee" and out["epsilon"] == pytest.approx(again.epsilon, rel=1e-9) and out["epsilon"] > 1
+    auto = plan_run(dataset_size=1437, batch_size=256, delta=1e-5, mechanism="dpsgd", noise_multiplier=1.0, epochs=1)
+    assert auto.pipeline == "auto" and auto.sampler.name == "poisson"
+    out = train("digits", plan=auto, epsilon=100.0, batching="poisson", device="cpu")
+    assert out["batching"].startswith("poisson:")
+    with pytest.raises(CorrnoiseError, match="^batching: the plan's batches are poisson .*, not cyclic"):
+        train("digits", plan=auto, epsilon=100.0, batching="cyclic", device="cpu")

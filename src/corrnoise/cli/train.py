@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..pipelines import PIPELINES
-from .report import emit
+from .report import emit, finite_json
 
 
 def _progress_bar(enabled: bool):
@@ -132,7 +132,7 @@ def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epoch
         plot_history(results, plot, f"{dataset}, epsilon {epsilon:g}, delta {delta:g}, pipeline {batching}")
     if as_json:
         out = results[0] if len(results) == 1 else {"runs": results}
-        click.echo(json.dumps(out, allow_nan=False))
+        click.echo(json.dumps(finite_json(out), allow_nan=False))  # a NaN loss is null (review: the result was lost)
         return
     for res in results:
         table = {k: v for k, v in res.items() if k not in ("candidates", "history")}

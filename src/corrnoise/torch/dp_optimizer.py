@@ -90,6 +90,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._count = 0
         self._clipped = 0
         self._nonfinite = 0
+        #: steps taken with examples left out for a non-finite gradient (about the data: keep it as
+        #: private as the training logs)
+        self.nonfinite_steps = 0
 
     # --- torch.optim surface ------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -290,6 +293,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self.context.clear_batch()
             raise CorrnoiseError("loss", f"{what}; the step was not taken (nan_policy='raise'): lower the learning "
                                  "rate or check the loss")
+        self.nonfinite_steps += 1
         warnings.warn(f"{what}; the step was taken{' as noise only' if bad >= total else ''} and its privacy spent. "
                       "Lower the learning rate or check the loss; nan_policy='raise' stops the run instead",
                       RuntimeWarning, stacklevel=user_stacklevel())
