@@ -230,7 +230,7 @@ def test_train_from_a_plan_of_a_named_mechanism_is_that_run(tmp_path):
     direct = train("digits", "bsr:2", batching="poisson", epsilon=4.0, delta=1e-5, epochs=1, batch_size=128,
                    device="cpu")
     assert direct["noise_std"] == plan.noise_std and set(direct.to_dict()) == set(out)
-    assert len(out) == 26
+    assert len(out) == 28  # with participation and nonfinite_steps
 
 
 def test_train_refuses_a_plan_for_other_data(tmp_path, capsys):

@@ -82,7 +82,7 @@ def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epoch
 
         if compare is not None:
             raise CorrnoiseError("compare", "trains a second mechanism at a budget; --plan trains exactly one run")
-        plan = RunPlan.from_json(plan_file)
+        plan = RunPlan.from_json(plan_file, progress=not as_json)  # review: --json said progress on stderr
     else:
         for name, value in (("epsilon", epsilon), ("delta", delta)):
             if value is None:

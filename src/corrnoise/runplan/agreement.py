@@ -200,11 +200,11 @@ def matching_guarantee(guarantee: PrivacyResult, agreement: Agreement, delta: fl
 
 
 def reproved_guarantee(guarantee: PrivacyResult, event: MechanismEvent, method: str, options: dict[str, Any],
-                       source: str) -> PrivacyResult:
+                       source: str, progress: bool = True) -> PrivacyResult:
     """``guarantee`` once this code has proved it for ``event``'s noise, or a one-line error naming
     ``guarantee``: a given result's epsilon is a claim (a file someone wrote, a dict edited, a plan
     rebuilt with another noise), and training reports it as spent. ``source`` names where it came
-    from in the error. The caller has checked that it is of this run (:func:`matching_guarantee`).
+    from in the error; ``progress``: a fresh Monte Carlo verification says so on stderr. The caller has checked that it is of this run (:func:`matching_guarantee`).
 
     A guarantee this process's accounting computed, content for content
     (:func:`~corrnoise.accounting.base.was_proven`), at exactly the event's noise, is taken as it
@@ -233,7 +233,8 @@ def reproved_guarantee(guarantee: PrivacyResult, event: MechanismEvent, method: 
 
         release_verified(verify_privacy(event.mechanism.matrix(), event.batching.bins, event.noise_std,
                                         guarantee.epsilon, guarantee.delta,
-                                        progress=LineProgress(f"{source}: verifying its guarantee")))
+                                        progress=LineProgress(f"{source}: verifying its guarantee") if progress
+                                        else None))
     return note_proven(guarantee)
 
 

@@ -169,12 +169,13 @@ class RunPlan:
         return path
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "RunPlan":
-        """Load a plan written by :meth:`to_json`, re-checking it (see the module docstring)."""
+    def from_json(cls, path: str | Path, *, progress: bool = True) -> "RunPlan":
+        """Load a plan written by :meth:`to_json`, re-checking it (see the module docstring);
+        ``progress``: a Monte Carlo guarantee verified afresh says so on stderr."""
         path = Path(path)
         doc = read_json_document(path, FORMAT, VERSION, "plan", "plan file")
         try:
-            return _load(doc, path)
+            return _load(doc, path, progress)
         except CorrnoiseError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -189,7 +190,7 @@ def check_plan_path(path: str | Path, param: str = "plan") -> Path:
     return path
 
 
-def _load(doc: dict[str, Any], path: Path) -> RunPlan:
+def _load(doc: dict[str, Any], path: Path, progress: bool = True) -> RunPlan:
     mechanism = doc["mechanism"]
     if not isinstance(mechanism, dict) or not isinstance(mechanism.get("file"), str):
         raise CorrnoiseError("mechanism", "the plan names no mechanism file")
@@ -218,7 +219,7 @@ def _load(doc: dict[str, Any], path: Path) -> RunPlan:
     if method != doc["method"]:
         raise CorrnoiseError("method", f"the plan says {doc['method']!r} but the gate chooses {method!r} for this run")
     guarantee = None if doc["guarantee"] is None else reproved_guarantee(
-        _checked_guarantee(doc["guarantee"], event, delta), event, method, options, "corrnoise plan file")
+        _checked_guarantee(doc["guarantee"], event, delta), event, method, options, "corrnoise plan file", progress)
     epochs = doc.get("epochs")
     plan = RunPlan(strategy, sampler, event, method, guarantee, sampler.num_examples, sampler.batch_size,
                    None if epochs is None else check_real("epochs", epochs, low=0.0, low_open=True),
