@@ -29,7 +29,8 @@ install-test: $(VENV)/.installed-test
 # The main job: plan for MNIST-1D (20,000 signals generated offline, batch 400, 10 epochs, epsilon 4),
 # train the planner's mechanism and DP-SGD at the same budget, print both accuracies and the privacy
 # spent, and write the plots to out/. 75-120 s on the 2-core machines, talkative on stderr (batch 400: 50
-# bins, so the planner's one Monte Carlo verification costs 35-55 s; batch 200 took 153 s).
+# bins, so the planner's one Monte Carlo verification costs 35-55 s when it picks a balls-in-bins candidate;
+# batch 200 took 153 s).
 run: install
 	$(VENV)/bin/corrnoise train --dataset mnist1d --mechanism auto --compare dpsgd --epsilon 4 --delta 1e-5 \
 		--batch-size 400 --epochs 10 --plot out/mnist1d.png
