@@ -329,11 +329,13 @@ def layernorm_handler(module, args, kwargs, grad_outs, dtype):
 
 
 def rmsnorm_handler(module, args, kwargs, grad_outs, dtype):
-    """nn.RMSNorm: x_hat = x / sqrt(mean(x^2) + eps), eps defaulting to finfo(input dtype).eps."""
+    """nn.RMSNorm: x_hat = x / sqrt(mean(x^2) + eps), eps defaulting to the finfo eps of the type
+    torch computes in: float32 for bfloat16 / float16 inputs (found in review: the input dtype's,
+    7.8e-3 in bfloat16, gave norms 52% too small on inputs of RMS 0.05)."""
     x_in = _input(args, kwargs, module)
     _batched(x_in, module)
     x, g = as_dtype(x_in, dtype), as_dtype(grad_outs[0], dtype)
-    eps = module.eps if module.eps is not None else torch.finfo(x_in.dtype).eps
+    eps = module.eps if module.eps is not None else torch.finfo(torch.promote_types(x_in.dtype, torch.float32)).eps
     k = len(module.normalized_shape)
     dims = tuple(range(x.dim() - k, x.dim()))
     x_hat = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
