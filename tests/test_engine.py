@@ -407,6 +407,36 @@ def test_frozen_unreached_and_outside_use():
         eng.clipped_sum(3)
 
 
+def test_a_use_outside_the_module_is_refused_on_every_step_not_only_the_checked_first():
+    """Review: the sum check runs on the first step with a 1e-2 tolerance: a use of 0.005 x the
+    weight outside its layer passed it (norms 2e-3 off on every step), and a use that began at step
+    1 was never checked (norms 16% off). After the first step a weight its layer takes out of
+    autograd gets a gradient only from outside: refused on every step, naming it."""
+    class Late(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.a, self.outside = nn.Linear(4, 4), nn.Linear(4, 4), 0.0
+
+        def forward(self, x):
+            h = torch.tanh(self.pre(x))
+            y = self.a(h)
+            return y + self.outside * F.linear(h, self.a.weight) if self.outside else y
+
+    torch.manual_seed(0)
+    m = Late().double()
+    eng = ClippingEngine(m, "sum", max_grad_norm=1.0)
+    for coef in (0.0, 0.0, 0.005):
+        m.outside = coef
+        (m(torch.randn(5, 4, dtype=torch.float64)) ** 2).sum().backward()
+        if coef == 0.0:
+            eng.clipped_sum(5)  # steps without the outside use: accepted, also after the first
+            eng.clear()
+            m.zero_grad(set_to_none=True)
+    with pytest.raises(CorrnoiseError, match="^module: parameter\\(s\\) a.weight got a gradient from outside their "
+                                             "module's forward"):
+        eng.clipped_sum(5)
+
+
 def test_a_bias_used_outside_its_layer_is_refused_naming_it():
     # biases are clipped side by side in one block (engine.SMALL_DENSE): its unclipped sums are
     # checked against autograd's per parameter too

@@ -331,6 +331,15 @@ class ClippingEngine:
         # recompute per example (:meth:`_skip_weight_grads`)
         self._skippable = {m: [i for _, i in owned] for m, (handler, owned) in self._owners.items()
                            if handler is not fallback_handler and not isinstance(m, OPAQUE_TYPES)}
+        # a parameter that only skippable calls own: once the sum check is done, autograd reaches it
+        # only through a call that kept it (its input carried no gradient) or through a use outside
+        # its module's forward, whose per-example share nothing captures (found in review: a use of
+        # 0.005 x the weight passed the first step's 1e-2 check, and one that began at step 1 was
+        # never checked); such a gradient is refused on every step (:meth:`_param_hook`)
+        shared = {i for m, (_, owned) in self._owners.items() if m not in self._skippable for _, i in owned}
+        self._watched = {i for idx in self._skippable.values() for i in idx} - shared
+        self._kept: set[int] = set()  # parameters a hooked call kept in autograd since the last clear()
+        self._outside: set[int] = set()
         self._depth = [0] * len(self.parameters)
         self._skipping: list[tuple[nn.Module, list[int]]] = []
         self._calls: dict[nn.Module, list[_Call]] = {m: [] for m in self._owners}
@@ -415,6 +424,8 @@ class ClippingEngine:
         if self.verify or not self._verified:
             prev = self._autograd.get(i)
             self._autograd[i] = g.detach().clone() if prev is None else prev + g.detach()
+        elif i in self._watched and i not in self._kept:
+            self._outside.add(i)
         return None
 
     def _skip_weight_grads(self, m: nn.Module, args, kwargs):
@@ -429,8 +440,10 @@ class ClippingEngine:
         nested or shared between hooked calls are counted so that the outermost restores.
         """
         idx = self._skippable[m]
-        if (self.verify or not self._verified or self._computing or not torch.is_grad_enabled() or _in_transform()
-                or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(args, kwargs))):
+        if self.verify or not self._verified or self._computing or not torch.is_grad_enabled() or _in_transform():
+            idx = []
+        elif not any(isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(args, kwargs)):
+            self._kept.update(idx)  # autograd reaches them from this call
             idx = []
         for i in idx:
             if self._depth[i] == 0:
@@ -787,6 +800,8 @@ class ClippingEngine:
             calls.clear()
         self._reached.clear()
         self._autograd.clear()
+        self._kept.clear()
+        self._outside.clear()
         self._recomputed.clear()
         self._backward_seen = False
         self._token_loss_used = False
@@ -937,6 +952,11 @@ class ClippingEngine:
             if i in self._reached and not factors[i] and not dense[i]:
                 raise CorrnoiseError(
                     "module", f"parameter '{self.names[i]}' got a gradient outside any hooked forward call")
+        if self._outside:
+            names = ", ".join(self.names[i] for i in sorted(self._outside))
+            raise CorrnoiseError("module", f"parameter(s) {names} got a gradient from outside their module's forward "
+                                 "(used directly, as F.linear(x, layer.weight) or a tied copy): no example's share of "
+                                 "it is captured; use the parameter only through its module")
         if b is None:
             dev = self.parameters[0].device
             return [torch.zeros(p.shape, dtype=torch.promote_types(acc, p.dtype), device=dev) for p in self.parameters], \
