@@ -145,11 +145,12 @@ def train(
 @dataclass(frozen=True)
 class TrainResult(Mapping):
     """What :func:`train` reports: the run (mechanism label, strategy, batching spec, the
-    participation an unamplified epsilon is for, pipeline), its privacy (accounting method, kind, target and spent epsilon, delta, noise), its
-    hyperparameters, accuracies, the steps taken with examples left out for a non-finite
-    gradient (``nonfinite_steps``, about the data), timings, the test accuracy after every pass (``history``) and
-    the planner's candidates. Read-only mapping access (``result["epsilon"]``) as before;
-    :meth:`to_dict` is the ``corrnoise train --json`` object."""
+    participation an unamplified epsilon is for, pipeline), its privacy (accounting method, kind,
+    target and spent epsilon, delta, noise), its hyperparameters, accuracies, the steps taken with
+    examples left out for a non-finite gradient (``nonfinite_steps``, about the data), timings,
+    the test accuracy after every pass (``history``) and the planner's candidates. Read-only
+    mapping access (``result["epsilon"]``) as before; :meth:`to_dict` is the ``corrnoise train
+    --json`` object."""
 
     dataset: str
     mechanism: str
@@ -205,7 +206,8 @@ def _report(dataset, run, opt, s, accuracy, train_loss, history, times) -> Train
     participation = getattr(opt.batching, "participation", None)  # unamplified: what the epsilon is for
     return TrainResult(
         dataset=dataset, mechanism=run.label, strategy=opt.strategy.label, batching=opt.batching.spec,
-        participation=None if participation is None else participation.spec, pipeline=run.pipeline, accounting=spent.method, kind=spent.kind, epsilon_target=target,
+        participation=None if participation is None else participation.spec, pipeline=run.pipeline,
+        accounting=spent.method, kind=spent.kind, epsilon_target=target,
         epsilon=spent.epsilon, delta=spent.delta, noise_std=opt.noise_std, noise_multiplier=opt.noise_multiplier,
         steps=opt.steps_taken, batch_size=run.batch_size,
         epochs=run.epochs if run.epochs is not None else run.steps / run.steps_per_epoch, lr=s.lr, clip_norm=s.clip,

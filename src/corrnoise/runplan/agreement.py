@@ -204,7 +204,8 @@ def reproved_guarantee(guarantee: PrivacyResult, event: MechanismEvent, method: 
     """``guarantee`` once this code has proved it for ``event``'s noise, or a one-line error naming
     ``guarantee``: a given result's epsilon is a claim (a file someone wrote, a dict edited, a plan
     rebuilt with another noise), and training reports it as spent. ``source`` names where it came
-    from in the error; ``progress``: a fresh Monte Carlo verification says so on stderr. The caller has checked that it is of this run (:func:`matching_guarantee`).
+    from in the error; ``progress``: a fresh Monte Carlo verification says so on stderr. The
+    caller has checked that it is of this run (:func:`matching_guarantee`).
 
     A guarantee this process's accounting computed, content for content
     (:func:`~corrnoise.accounting.base.was_proven`), at exactly the event's noise, is taken as it

@@ -108,8 +108,9 @@ def plan_run(
         sampler=ready if ready is not None else name, seed=0,  # seed 0: a probe; the run draws its own
         accounting_method=accounting_method, accounting_options=accounting_options)
     if guarantee is not None:
-        calibration = reproved_guarantee(matching_guarantee(guarantee, agreement, delta), agreement.event.with_noise(nu),
-                                         agreement.method, dict(accounting_options or {}), "the given guarantee")
+        calibration = reproved_guarantee(matching_guarantee(guarantee, agreement, delta),
+                                         agreement.event.with_noise(nu), agreement.method,
+                                         dict(accounting_options or {}), "the given guarantee")
     return RunPlan(strategy, SamplerSpec.of(name, sampler, batch_size), agreement.event.with_noise(nu),
                    agreement.method, calibration, dataset_size, batch_size, given_epochs,
                    steps_per_epoch(sampler, given_epochs, dataset_size, batch_size), delta, accounting_method,
@@ -330,7 +331,8 @@ def _plan_private(num_examples, *, mechanism, delta, epsilon, noise_std, noise_m
     result = None
     if epsilon is not None:
         # through the cache of verified guarantees: the same run planned again (or its plan file
-        # loaded, agreement.reproved_guarantee) reads the guarantee instead of sampling ~1e8 Monte Carlo draws
+        # loaded, agreement.reproved_guarantee) reads the guarantee instead of sampling ~1e8 Monte
+        # Carlo draws
         result = require_guarantee(cached_calibrate(agreement.event, epsilon=epsilon, delta=delta,
                                                     method=accounting_method, **(accounting_options or {})),
                                    "training")

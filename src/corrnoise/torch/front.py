@@ -65,10 +65,10 @@ left out). ``delta``: the run's delta.
 or ``sum``) -- of per-example losses each of its own example, with no other batch-dependent
 factor (``loss / len(batch)`` on top of a mean, a token mean over the whole batch): such a factor
 moves the others' contributions when one example joins, beyond the clip norm; not checked, except
-transformers' built-in token-averaged loss. ``max_physical_batch_size``: cut logical batches into micro-batches (one noise row
-per logical step). ``seed`` drives the sampler only; leave it None (63 bits from the OS) for any
-real release: amplification by sampling (``poisson``, ``block-cyclic``, ``balls-in-bins``)
-assumes the adversary does not know which steps used an example, so the amplified guarantee
+transformers' built-in token-averaged loss. ``max_physical_batch_size``: cut logical batches
+into micro-batches (one noise row per logical step). ``seed`` drives the sampler only; leave it
+None (63 bits from the OS) for any real release: amplification by sampling (``poisson``,
+``block-cyclic``, ``balls-in-bins``) assumes the adversary does not know which steps used an example, so the amplified guarantee
 holds only if the sampler seed is secret. A seed given with an amplified batching is for
 experiments and raises a :class:`UserWarning`; the order of ``cyclic`` batches is not secret for
 the analysis. ``noise_seed`` drives the noise -- leave it None (a secret seed from the OS) for
