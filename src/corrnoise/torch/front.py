@@ -72,9 +72,9 @@ None (63 bits from the OS) for any real release: amplification by sampling (``po
 example, so the amplified guarantee holds only if the sampler seed is secret. A seed given with an
 amplified batching is for experiments and raises a :class:`UserWarning`; the order of ``cyclic``
 batches is not secret for the analysis. ``noise_seed`` drives the noise -- leave it None (a
-secret seed from the OS) for any real release. ``optimizer.state_dict()`` always holds the sampler seed (a resumed run reuses
-it) and, for stateful mechanisms, recent noise rows: keep checkpoints of the optimizer as
-private as the data. ``store_noise_seed``: put the noise seed there too. ``nan_policy``:
+secret seed from the OS) for any real release. ``optimizer.state_dict()`` always holds the
+sampler seed (a resumed run reuses it) and, for stateful mechanisms, recent noise rows: keep
+checkpoints of the optimizer as private as the data. ``store_noise_seed``: put the noise seed there too. ``nan_policy``:
 examples whose gradient is NaN/inf are left out of the update (clip factor 0); ``"warn"``
 (default) warns and takes the step, ``"raise"`` refuses it.
 
