@@ -410,3 +410,26 @@ def test_a_planned_run_of_part_of_an_epoch_is_refused_with_the_lengths_it_can_ta
         assert f"got {steps}" in str(e.value) and nearest in str(e.value) and "identity" in str(e.value)
     named = plan_run(dataset_size=200, batch_size=8, delta=1e-5, mechanism="identity", epsilon=3.0, steps=10)
     assert named.steps == 10
+
+
+def test_a_plan_whose_parts_are_not_of_one_run_is_refused():
+    """Review: dataclasses.replace(plan, strategy=Identity(n)) trained identity noise under bsr:3's
+    guarantee, and a plan rebuilt with another sampler sampled at p = 0.5 where p = 0.1 was
+    accounted (epsilon 9.6 reported as 2). make_private(plan=) now checks that the mechanism, the
+    sampler and the accounting are of one run."""
+    import dataclasses
+
+    from corrnoise.runplan.batching import SamplerSpec
+    from corrnoise.sampling import make_sampler
+
+    plan = plan_run(dataset_size=N, batch_size=B, delta=1e-5, mechanism="bsr:3", batching="cyclic", epsilon=2.0,
+                    epochs=2)
+    with pytest.raises(CorrnoiseError, match="^plan: its mechanism identity is not the one its accounting is of"):
+        _front(dataclasses.replace(plan, strategy=Identity(plan.steps)))
+    pp = plan_run(dataset_size=N, batch_size=B, delta=1e-5, mechanism="identity", batching="poisson", epsilon=2.0,
+                  epochs=2)
+    big = make_sampler("poisson", 1, N, 5 * B, steps=pp.steps, seed=0)
+    with pytest.raises(CorrnoiseError, match="^plan: its sampler forms poisson:0.5 but its accounting is of "
+                                             "poisson:0.1"):
+        _front(dataclasses.replace(pp, sampler=SamplerSpec.of("poisson", big, 5 * B), batch_size=5 * B), batch=5 * B)
+    _front(plan)  # the plan as made

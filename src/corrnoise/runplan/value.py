@@ -128,6 +128,23 @@ class RunPlan:
             reproved_guarantee(_checked_guarantee(self.guarantee.to_dict(), self.event, self.delta), self.event,
                                self.method, self.accounting_options, "the plan's guarantee")
 
+    def check_parts(self, sampler) -> None:
+        """Refuse (one line naming ``plan``) a plan whose parts are not of one run: the noise comes
+        from ``strategy``, the batches from ``sampler`` (this plan's, built), the accounting from
+        ``event`` (found in review: ``dataclasses.replace(plan, strategy=Identity(n))`` trained
+        identity noise under bsr:3's guarantee, and another sampler sampled at p = 0.5 where 0.1
+        was accounted: epsilon 9.6 reported as 2)."""
+        from .agreement import check_agreement
+
+        if mechanism_fingerprint(self.strategy) != mechanism_fingerprint(self.event.strategy):
+            raise CorrnoiseError("plan", f"its mechanism {self.strategy.label} is not the one its accounting is of "
+                                 f"({self.event.strategy.label}, by fingerprint): plan again")
+        formed = check_agreement(self.strategy, sampler=sampler, steps=self.event.steps, method=self.method,
+                                 delta=self.delta).event.batching
+        if formed != self.event.batching:
+            raise CorrnoiseError("plan", f"its sampler forms {formed.spec} but its accounting is of "
+                                 f"{self.event.batching.spec}: plan again")
+
     def check_fits(self, *, dataset_size: int | None = None, batch_size: int | None = None,
                    steps: int | None = None, epochs: float | None = None) -> None:
         """Refuse (one line naming the field) a data loader or length other than the plan's."""

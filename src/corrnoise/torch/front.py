@@ -132,7 +132,7 @@ from .distributed import (DistributedPrivatizer, broadcast_module, check_same_ru
                           shared_sampler_seed)
 from .dp_optimizer import DPOptimizer
 from .loader import DPDataLoader, StepContext, loader_settings
-from .privatizer import Privatizer
+from .privatizer import Privatizer, noise_dtype
 
 __all__ = ["DPOptimizer", "DPDataLoader", "make_private", "choose_batching", "plan_mechanism", "planned_batching",
            "BATCHINGS"]
@@ -183,7 +183,8 @@ def make_private(
     _check_method_names(noise_method, accounting_method)
     data = _Loader(*loader_settings(data_loader))
     par = _prepare_parallel(module, distributed, seed, batching)
-    budget = model_noise_budget(max_noise_memory, _trainable(module, optimizer))
+    trainable = _trainable(module, optimizer)
+    budget = model_noise_budget(max_noise_memory, trainable, noise_dtype(trainable) if trainable else None)
     planning = dict(delta=delta, mechanism=mechanism, epsilon=epsilon, noise_multiplier=noise_multiplier,
                     noise_std=noise_std, guarantee=guarantee, epochs=epochs, steps=steps, batching=batching,
                     accounting_method=accounting_method, accounting_options=accounting_options,
@@ -321,6 +322,7 @@ def _check_given_plan(plan, planning: dict[str, Any], dataset_size: int, batch_s
     if isinstance(ready, BatchSampler) and (plan.sampler.name is not None
                                             or ready.describe() != plan.sampler.description):
         raise CorrnoiseError("batching", "this sampler is not the one the plan was made for")
+    plan.check_parts(ready if isinstance(ready, BatchSampler) else plan.sampler.build(0))
 
 
 def _prepare_sampler(plan: RunPlan, batching, par: _Parallel) -> BatchSampler:
