@@ -292,3 +292,14 @@ def test_readme_table_is_the_scripts_output():
     spec.loader.exec_module(module)
     assert module.lora_trainable() == 294_912  # 12 x 8 x (768 + 2304)
     assert module.table() in (root / "README.md").read_text()
+
+
+def test_the_model_budget_counts_the_noise_in_its_widest_dtype():
+    """Review: the budget took the first parameter's dtype (bfloat16 before float32 layers) while
+    the generator draws in the widest: the buffers took twice what was budgeted."""
+    from corrnoise.noise_memory import model_noise_budget
+    from corrnoise.torch.privatizer import noise_dtype
+
+    params = [torch.zeros(10, dtype=torch.bfloat16), torch.zeros(30)]
+    assert noise_dtype(params) == torch.float32
+    assert model_noise_budget("1MB", params, noise_dtype(params)) == NoiseBudget(10 ** 6, 40, "float32")

@@ -154,16 +154,17 @@ def noise_budget(max_noise_memory: Any, trainable_params: int, dtype: Any) -> No
     return NoiseBudget(parse_size(max_noise_memory), check_int("trainable_params", trainable_params, minimum=1), name)
 
 
-def model_noise_budget(max_noise_memory: Any, parameters) -> NoiseBudget | None:
+def model_noise_budget(max_noise_memory: Any, parameters, noise_dtype: Any) -> NoiseBudget | None:
     """The budget for the noise of ``parameters`` (the trainable tensors, deduplicated): their
-    element count, and the dtype of the first (the generator's, as
-    :meth:`corrnoise.torch.privatizer.Privatizer.for_parameters` builds it)."""
+    element count, in ``noise_dtype`` (the generator's: :func:`corrnoise.torch.privatizer.noise_dtype`,
+    the widest of the parameters'; found in review: the first parameter's, bfloat16 before float32
+    layers, budgeted half the buffers' bytes)."""
     if max_noise_memory is None:
         return None
     unique = list({id(p): p for p in parameters}.values())
     if not unique:
         raise CorrnoiseError("max_noise_memory", "the model has no trainable parameters to budget noise for")
-    return noise_budget(max_noise_memory, sum(int(p.numel()) for p in unique), unique[0].dtype)
+    return noise_budget(max_noise_memory, sum(int(p.numel()) for p in unique), noise_dtype)
 
 
 def budgeted_noise_method(budget: NoiseBudget | None, strategy, noise_method: str = "auto", planned=None) -> str:
