@@ -812,3 +812,13 @@ def test_the_padded_dataset_of_balls_in_bins_is_refused_as_the_loader_dataset():
         make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      DataLoader(sampler.wrap_dataset(_dataset()), batch_size=8), mechanism="identity", noise_std=1.0,
                      delta=1e-5, max_grad_norm=1.0, steps=10)
+
+
+def test_a_pass_over_the_private_loader_without_gradients_is_not_refused():
+    """Review of the check above: a loop that iterates the private loader under torch.no_grad()
+    (a train-accuracy pass) takes no step and captures nothing: it is not refused."""
+    model = _mlp()
+    _, opt, loader = _front(model, CyclicSampler(40, 8, steps=5, seed=0))
+    with torch.no_grad():
+        seen = sum(len(x) for x, _ in loader)
+    assert seen == 40 and opt.steps_taken == 0

@@ -72,7 +72,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accounting_options = dict(accounting_options or {})
         self.sampler = sampler
         self.context = context or StepContext()
-        self.context.stepped = True  # the loader sharing it waits for step() before its next batch
+        # the loader sharing it yields no batch while the last one's forward is captured and not stepped
+        self.context.captured = self.engine.captured
         self.store_noise_seed = bool(store_noise_seed)
         self.calibration = calibration
         self.plan = None  # make_private sets it

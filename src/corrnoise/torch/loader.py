@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -36,7 +36,9 @@ class StepContext:
         self.next_step = 0
         self.current_step: int | None = None
         self.micro_batch = 0  # the position of that micro-batch in its logical batch
-        self.stepped = False  # whether an optimizer takes each batch (DPOptimizer sets it)
+        #: whether a forward with gradients is captured and waits for optimizer.step() (DPOptimizer
+        #: sets it: its engine's); None without an optimizer
+        self.captured: Callable[[], bool] | None = None
         self.more_micro_batches = False
         self.size: int | None = None
         self.mask: torch.Tensor | None = None
@@ -215,7 +217,9 @@ class DPDataLoader(DataLoader):
         cuts = self._cutter.cuts()
         position, yielded = 0, False
         for (t, indices, last), batch in zip(cuts, super().__iter__()):
-            if yielded and self.context.stepped and not self._prefetched and self.context.size is not None:
+            captured = self.context.captured
+            if (yielded and captured is not None and not self._prefetched and self.context.size is not None
+                    and captured()):
                 # found in review: two micro-batches forwarded before one backward were clipped as
                 # one example each pair (a released sum that moved by 2 C for one example)
                 raise CorrnoiseError("optimizer", f"the private loader's next batch was asked for before "

@@ -794,6 +794,12 @@ class ClippingEngine:
         """Names of the clipped parameters ``layers`` own."""
         return [self.names[i] for m in layers for _, i in self._owners[m][1]]
 
+    def captured(self) -> bool:
+        """Whether a forward with gradients (or its backward) was captured since :meth:`clear`: a
+        batch in hand that the optimizer has not taken (a forward under ``torch.no_grad()``, an
+        evaluation pass, captures nothing)."""
+        return self._backward_seen or any(self._calls.values())
+
     def clear(self) -> None:
         """Drop captured activations and grad outputs (call after each clipped sum)."""
         for calls in self._calls.values():
