@@ -758,10 +758,13 @@ def test_micro_batches_cut_every_logical_batch_into_exactly_k_parts():
 def test_a_second_micro_batch_before_the_step_of_the_first_is_refused():
     """Review: summing two micro-batches' losses before one backward clipped example k of each as
     one example (a released sum that moved by 2 C when one example was zeroed) whenever the two had
-    the same size. The loader now refuses to yield a batch before step() took the previous one."""
-    _, opt, loader = _front(_mlp(), CyclicSampler(40, 6, steps=4, seed=0), max_physical_batch_size=3)
+    the same size. The loader now refuses to yield a batch while the previous one's forward waits
+    for step()."""
+    model = _mlp()
+    _, opt, loader = _front(model, CyclicSampler(40, 6, steps=4, seed=0), max_physical_batch_size=3)
     batches = iter(loader)
-    next(batches)
+    x, y = next(batches)
+    F.cross_entropy(model(x), y)  # the summed-losses pattern: a forward, no backward or step yet
     with pytest.raises(CorrnoiseError, match="^optimizer: the private loader's next batch was asked for before "
                                              "optimizer.step\\(\\) took the previous one") as err:
         next(batches)
