@@ -163,6 +163,7 @@ def test_methods_declare_their_preconditions_once():
     (pre.require_participation_fits, MechanismEvent(Identity(6), NoBatching("cyclic:3:4")), "participation"),
     (pre.require_mechanism_cut_to_steps, MechanismEvent(parse_strategy("toeplitz-sqrt+colnorm", 20),
                                                         NoBatching("cyclic:2:4"), steps=8), "mechanism"),
+    (pre.require_whole_epochs, MechanismEvent(parse_strategy("dpcgd:0.9", 5), "balls-in-bins:3"), "steps"),
 ])
 def test_each_precondition_names_its_parameter(check, event, param):
     found = check(event)
@@ -230,6 +231,23 @@ def test_event_steps_account_the_leading_block():
     short = account(MechanismEvent(c, Poisson(0.1), 2.0, steps=5), delta=1e-5)
     assert short.epsilon == account(Identity(5), Poisson(0.1), noise_std=2.0, delta=1e-5).epsilon
     assert short.extras["n"] == 5 and math.isfinite(short.epsilon)
+
+
+def test_balls_in_bins_runs_of_steps_that_are_not_whole_epochs_are_refused_by_the_gate():
+    """Review: 5 steps of 3 bins, planned with a given noise, trained and then had no guarantee
+    (the analysis is of n = bins * epochs). The gate refuses it for every entry point: a plan with a
+    given noise or an epsilon, and a ready sampler."""
+    from corrnoise.runplan import plan_run
+
+    message = r"^steps: balls-in-bins batching runs whole epochs of 3 batches .* got 5 steps: use 3 or 6, or another"
+    for noise in (dict(noise_std=5.0), dict(epsilon=8.0)):
+        with pytest.raises(CorrnoiseError, match=message + ".*accounting method mc"):
+            plan_run(dataset_size=7, batch_size=2, delta=1e-5, mechanism="dpcgd:0.9", batching="balls-in-bins",
+                     steps=5, **noise)
+    with pytest.raises(CorrnoiseError, match=message):
+        plan_run(dataset_size=7, batch_size=2, delta=1e-5, mechanism="dpcgd:0.9", batching=BallsInBinsSampler(7, 3, 5),
+                 noise_std=5.0)
+    assert pre.require_whole_epochs(MechanismEvent(parse_strategy("dpcgd:0.9", 6), "balls-in-bins:3")) is None
 
 
 def test_a_mechanism_accounted_whole_is_refused_for_fewer_steps_of_repeated_participation():

@@ -192,13 +192,6 @@ def test_bad_sampler_inputs():
         CyclicSampler(10, 11, steps=3)
     with pytest.raises(CorrnoiseError, match="bins"):
         BallsInBinsSampler(10, 5, 3)
-    # review: 5 steps of 3 bins trained, then no guarantee existed (the analysis is of whole epochs)
-    with pytest.raises(CorrnoiseError, match=r"^steps: balls-in-bins batching runs whole epochs of 3 batches .* got 5 "
-                                             r"steps: use 3 or 6, or another batching$"):
-        BallsInBinsSampler(7, 3, 5)
-    with pytest.raises(CorrnoiseError, match="^steps: balls-in-bins batching runs whole epochs of 3 batches"):
-        make_sampler("balls-in-bins", 1, 7, 2, steps=5)
-    assert BallsInBinsSampler(7, 3, 6).steps == 6
     with pytest.raises(CorrnoiseError, match="participation"):
         MinSepSampler(10, 5, 5, 20)  # (k - 1) b >= n
     with pytest.raises(CorrnoiseError, match="step"):

@@ -287,13 +287,6 @@ class BallsInBinsSampler(BatchSampler):
         self.bins = check_int("bins", bins, minimum=1)
         if self.bins > self.steps:
             raise CorrnoiseError("bins", f"must be <= steps = {self.steps} (every bin is used at least once), got {self.bins}")
-        if self.steps % self.bins:
-            # the analysis is of whole epochs, n = bins * epochs (seed 000 Def. 3.1); found in review:
-            # 5 steps of 3 bins trained, then no guarantee existed for them
-            whole = self.steps // self.bins * self.bins
-            raise CorrnoiseError("steps", f"balls-in-bins batching runs whole epochs of {self.bins} batches "
-                                 f"(n = bins * epochs, seed 000), got {self.steps} steps: use "
-                                 f"{max(whole, self.bins)} or {whole + self.bins}, or another batching")
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, minimum=1)
         self._draw()
         self.accounting = f"balls-in-bins:{self.bins}"

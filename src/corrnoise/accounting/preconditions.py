@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from ..errors import CorrnoiseError
-from .batching import BlockCyclic, NoBatching, Poisson
+from .batching import BallsInBins, BlockCyclic, NoBatching, Poisson
 
 __all__ = ["Violation", "Precondition", "require_square", "require_nonnegative", "require_diagonal_for_poisson",
            "require_bands_within_blocks", "require_participation_fits", "require_mechanism_cut_to_steps",
-           "first_violation"]
+           "require_whole_epochs", "first_violation"]
 
 
 class Violation(NamedTuple):
@@ -106,6 +106,20 @@ def require_mechanism_cut_to_steps(event) -> Violation | None:
             return Violation("mechanism", f"{event.mechanism.label} is built for n = {n} steps and is accounted "
                              f"whole (not cut to the run's {steps}), which {event.batching.participation.spec} "
                              f"does not describe: build the mechanism for {steps} steps")
+    return None
+
+
+def require_whole_epochs(event) -> Violation | None:
+    """Balls-in-bins accounting analyses whole epochs, n = bins * epochs (seed 000 Def. 3.1,
+    Lemma 3.2): a run of steps that are not whole epochs of its bins has no such analysis (found in
+    review: 5 steps of 3 bins, planned with a given noise, trained and then had no guarantee)."""
+    if isinstance(event.batching, BallsInBins):
+        bins, steps = event.batching.bins, int(event.steps)
+        if steps % bins:
+            whole = steps // bins * bins
+            return Violation("steps", f"balls-in-bins batching runs whole epochs of {bins} batches (n = bins * "
+                             f"epochs, seed 000), got {steps} steps: use {max(whole, bins)} or {whole + bins}, "
+                             "or another batching")
     return None
 
 

@@ -84,8 +84,10 @@ def _delta_mc(strategy, batching, noise_std: float, epsilon: float, samples=None
 
 def _register() -> None:
     from ..base import BallsInBins, register_method
+    from ..preconditions import require_square, require_whole_epochs
 
     @register_method("mc", batchings=(BallsInBins,), requires_nonnegative=True, calibrate=_calibrate_mc,
+                     preconditions=(require_square, require_whole_epochs),
                      delta_of=_delta_mc,
                      description="balls-in-bins Monte Carlo accounting (seed 000), verified by default")
     def account_mc(strategy, batching, noise_std: float, delta: float, samples=None, seed=None, progress=False,
