@@ -184,6 +184,12 @@ def test_a_plan_of_given_noise_is_accounted_against_the_budget_before_it_trains(
     assert main(["train", "--dataset", "digits", "--plan", path, "--epsilon", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: epsilon: the plan's noise gives epsilon") and "> the budget 1" in err, err
+    calibrated = str(tmp_path / "calibrated.json")
+    plan_run(dataset_size=1437, batch_size=64, delta=1e-5, mechanism="dpcgd:0.9", batching="cyclic", epsilon=4.0,
+             epochs=1).to_json(calibrated)
+    assert main(["train", "--dataset", "digits", "--plan", calibrated, "--epsilon", "2"]) == 2  # its guarantee: 4
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: epsilon: the plan's noise gives epsilon 4") and "> the budget 2" in err, err
     monkeypatch.undo()
     from corrnoise.runplan import RunPlan
 

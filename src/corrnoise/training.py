@@ -291,8 +291,6 @@ def _plan_settings(plan, mechanism, batching, epsilon, delta, choice, given: dic
                     epochs=given["epochs"] if plan.epochs is not None else None)
     if plan.guarantee is None and epsilon is None:
         raise CorrnoiseError("epsilon", "the plan's noise was given, not calibrated to a guarantee: give the budget")
-    if epsilon is not None and plan.guarantee is not None and plan.guarantee.epsilon > epsilon * (1 + 1e-9):
-        raise CorrnoiseError("epsilon", f"the plan's guarantee is epsilon {plan.guarantee.epsilon:g} > {epsilon:g}")
     if delta is not None and delta != plan.delta:  # review: it was taken silently, the plan's delta trained
         raise CorrnoiseError("delta", f"the plan is for delta {plan.delta:g}, not {delta:g}: drop the delta or plan "
                              "again")
@@ -300,23 +298,24 @@ def _plan_settings(plan, mechanism, batching, epsilon, delta, choice, given: dic
     return epsilon, plan.delta, plan.pipeline
 
 
-def _within_budget(plan: RunPlan, epsilon: float) -> RunPlan:
-    """A plan of a given noise, accounted before it trains (found in review: its epsilon 8.17 over
-    a budget of 1 was found after training, as an internal error): the plan with its run's
-    guarantee, or a one-line refusal naming ``epsilon``."""
+def _within_budget(plan: RunPlan, epsilon: float | None) -> RunPlan:
+    """The plan, its guarantee within the budget ``epsilon`` (None: the guarantee's own), before
+    it trains: a plan of a given noise is accounted now and carries its run's guarantee (found in
+    review: its epsilon 8.17 over a budget of 1 was found after training, as an internal error).
+    Else a one-line refusal naming ``epsilon``."""
     from dataclasses import replace
 
     from .accounting import account
     from .accounting.base import require_guarantee
 
-    if plan.guarantee is not None:
-        return plan
-    spent = require_guarantee(account(plan.event, delta=plan.delta, method=plan.method, **plan.accounting_options),
-                              "training")
-    if spent.epsilon > epsilon * (1 + 1e-9):
+    spent = plan.guarantee
+    if spent is None:
+        spent = require_guarantee(account(plan.event, delta=plan.delta, method=plan.method,
+                                          **plan.accounting_options), "training")
+    if epsilon is not None and spent.epsilon > epsilon * (1 + 1e-9):
         raise CorrnoiseError("epsilon", f"the plan's noise gives epsilon {spent.epsilon:.4g} ({spent.method}) > the "
                              f"budget {epsilon:g}: give a budget of at least that, or plan more noise")
-    return replace(plan, guarantee=spent)
+    return plan if plan.guarantee is not None else replace(plan, guarantee=spent)
 
 
 def _plan(s: _Settings, mechanism, plan, choice, num_examples: int, progress) -> RunPlan:
