@@ -437,6 +437,50 @@ def test_a_use_outside_the_module_is_refused_on_every_step_not_only_the_checked_
         eng.clipped_sum(5)
 
 
+@pytest.mark.parametrize("first", ["linear", "embedding"])
+def test_a_first_layer_used_outside_is_refused_on_every_step(first):
+    """The first layer's input carries no gradient (indices, data); it used to keep its weight in
+    autograd after the first step, so a use of that weight outside its module beginning at step 2
+    was never checked (the norms then leave out its share). Its call now runs out of autograd as
+    the others do, with its output made the graph's start: the outside use is refused on any step,
+    and the steps without it agree with the reference."""
+    class Late(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Embedding(7, 4) if first == "embedding" else nn.Linear(4, 4)
+            self.a, self.outside = nn.Linear(4, 2), 0.0
+
+        def forward(self, x):
+            h = torch.tanh(self.pre(x))
+            y = self.a(h)
+            if self.outside:
+                w = self.pre.weight if first == "linear" else self.pre.weight[:4]
+                y = y + self.outside * F.linear(h, w).sum(-1, keepdim=True)
+            return y
+
+    torch.manual_seed(0)
+    m = Late().double()
+    x = torch.randint(0, 7, (5, 3)) if first == "embedding" else torch.randn(5, 3, 4, dtype=torch.float64)
+    eng = ClippingEngine(m, "sum", max_grad_norm=0.3)
+    for _ in range(2):
+        m.zero_grad(set_to_none=True)
+        (m(x) ** 2).sum().backward()
+        sums, norms = eng.clipped_sum(5)
+        eng.clear()
+    assert m.pre.weight.grad is None  # the second step formed no weight gradient for it
+    with eng.paused():
+        grads, _ = per_example_gradients(m, lambda o, t: (o - t).pow(2).sum(), x, torch.zeros(5, 3, 2, dtype=torch.float64))
+    ref_sums, ref_norms = clip_and_sum(grads, 0.3)
+    _close(norms, ref_norms)
+    for got, want in zip(sums, ref_sums):
+        _close(got, want)
+    m.outside = 0.01
+    m.zero_grad(set_to_none=True)
+    (m(x) ** 2).sum().backward()
+    with pytest.raises(CorrnoiseError, match="^module: parameter\\(s\\) pre.weight got a gradient from outside"):
+        eng.clipped_sum(5)
+
+
 def test_a_bias_used_outside_its_layer_is_refused_naming_it():
     # biases are clipped side by side in one block (engine.SMALL_DENSE): its unclipped sums are
     # checked against autograd's per parameter too
@@ -539,15 +583,16 @@ def _step(model, eng, ids, y):
 def test_after_the_first_step_backward_computes_no_weight_gradient_the_engine_recomputes():
     """Step 1 keeps autograd's gradients (the check against them); from step 2 a hooked call whose
     input carries a gradient runs with its parameters out of autograd: no .grad for fc / norm /
-    head, the Embedding's still (its input is indices), parameters trainable again after the
-    forward, and the same clipped sums and norms as step 1 (and as the reference)."""
+    head, and none for the Embedding either (its input is indices: its output is made the graph's
+    start), parameters trainable again after the forward, and the same clipped sums and norms as
+    step 1 (and as the reference)."""
     model, ids = _EmbedMLP(), torch.randint(0, 9, (5, 3))
     y = torch.randn(5, 3, 2)
     eng = ClippingEngine(model, max_grad_norm=0.05)
     g1, s1, n1 = _step(model, eng, ids, y)
     assert all(g is not None for g in g1.values())
     g2, s2, n2 = _step(model, eng, ids, y)
-    assert [n for n, g in g2.items() if g is not None] == ["emb.weight"]
+    assert [n for n, g in g2.items() if g is not None] == []
     assert all(p.requires_grad for p in model.parameters())
     _close(n2, n1, 1e-12)
     for a, b in zip(s2, s1):

@@ -332,16 +332,17 @@ class ClippingEngine:
         self._skippable = {m: [i for _, i in owned] for m, (handler, owned) in self._owners.items()
                            if handler is not fallback_handler and not isinstance(m, OPAQUE_TYPES)}
         # a parameter that only skippable calls own: once the sum check is done, autograd reaches it
-        # only through a call that kept it (its input carried no gradient) or through a use outside
-        # its module's forward, whose per-example share nothing captures (found in review: a use of
-        # 0.005 x the weight passed the first step's 1e-2 check, and one that began at step 1 was
-        # never checked); such a gradient is refused on every step (:meth:`_param_hook`)
+        # only through a call that kept it (a checkpointed block's recomputation) or through a use
+        # outside its module's forward, whose per-example share nothing captures (found in review: a
+        # use of 0.005 x the weight passed the first step's 1e-2 check, and one that began at step 1
+        # was never checked); such a gradient is refused on every step (:meth:`_param_hook`)
         shared = {i for m, (_, owned) in self._owners.items() if m not in self._skippable for _, i in owned}
         self._watched = {i for idx in self._skippable.values() for i in idx} - shared
         self._kept: set[int] = set()  # parameters a hooked call kept in autograd since the last clear()
         self._outside: set[int] = set()
         self._depth = [0] * len(self.parameters)
-        self._skipping: list[tuple[nn.Module, list[int]]] = []
+        self._skipping: list[tuple[nn.Module, list[int], bool]] = []
+        self._sourced: nn.Module | None = None  # the call just returned had no input gradient (:meth:`_as_source`)
         self._calls: dict[nn.Module, list[_Call]] = {m: [] for m in self._owners}
         self._reached: set[int] = set()
         self._autograd: dict[int, torch.Tensor] = {}
@@ -433,29 +434,37 @@ class ClippingEngine:
 
         The engine forms each example's gradient from the captured input and grad output; the
         weight gradient the user's backward would also accumulate into ``p.grad`` (one matmul per
-        Linear) is never read after the first step, whose check against it (:meth:`clipped_sum`)
-        needs it, as does ``verify=True``: both keep autograd's. Gradients still flow to the
-        input. A call whose input carries none (an Embedding's indices, the first layer) keeps its
-        parameters: its output must carry the loss's gradient back to the engine's hook. Uses
-        nested or shared between hooked calls are counted so that the outermost restores.
+        Linear, a vocabulary-sized table per Embedding) is never read after the first step, whose
+        check against it (:meth:`clipped_sum`) needs it, as does ``verify=True``: both keep
+        autograd's. Gradients still flow to the input. A call whose input carries none (an
+        Embedding's indices, the first layer) runs without them too, and its output is made the
+        start of the graph (:meth:`_as_source`), so that it still carries the loss's gradient back
+        to the engine's hook; only a checkpointed block's recomputation keeps them. Uses nested or
+        shared between hooked calls are counted so that the outermost restores.
         """
         idx = self._skippable[m]
+        source = False
         if self.verify or not self._verified or self._computing or not torch.is_grad_enabled() or _in_transform():
             idx = []
         elif not any(isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(args, kwargs)):
-            self._kept.update(idx)  # autograd reaches them from this call
-            idx = []
+            if _in_backward():
+                self._kept.update(idx)  # a recomputation: autograd reaches them from this call
+                idx = []
+            else:
+                source = bool(idx)
         for i in idx:
             if self._depth[i] == 0:
                 self.parameters[i].requires_grad_(False)
             self._depth[i] += 1
-        self._skipping.append((m, idx))
+        self._skipping.append((m, idx, source))
         return None
 
     def _restore_weight_grads(self, m: nn.Module, args, output):
         """After a hooked call (also when it raised): its parameters back in autograd."""
+        self._sourced = None
         if self._skipping and self._skipping[-1][0] is m:
-            _, idx = self._skipping.pop()
+            _, idx, source = self._skipping.pop()
+            self._sourced = m if source else None
             for i in idx:
                 self._depth[i] -= 1
                 if self._depth[i] == 0:
@@ -598,6 +607,12 @@ class ClippingEngine:
         else:
             flat, spec = tree_flatten(output)
         outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        if self._sourced is m:
+            self._sourced = None
+            if not any(o.requires_grad for o in outs):
+                flat = [_as_source(o) if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in flat]
+                output = replaced = flat[0] if spec is None else tree_unflatten(flat, spec)
+                outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if not any(o.requires_grad for o in outs):
             return None
         if len(outs) > 1:
@@ -1103,6 +1118,16 @@ def _in_transform() -> bool:
     inside one (``requires_grad_`` is refused there), so such a call keeps them."""
     peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
+
+
+def _as_source(t: torch.Tensor) -> torch.Tensor:
+    """The output of a hooked call that ran with its parameters out of autograd and no input
+    gradient (:meth:`ClippingEngine._skip_weight_grads`), as a start of the graph: a copy of a leaf
+    that requires a gradient. The loss's gradient then reaches the copy's hook, as it reached the
+    output when the parameters were in autograd, without the weight gradient autograd would have
+    formed (an Embedding's whole table). A copy, not the leaf itself: the model may modify the
+    output in place (``x += pos``), which torch refuses on a leaf."""
+    return t.detach().requires_grad_().clone()
 
 
 def _in_backward() -> bool:
