@@ -914,6 +914,36 @@ def test_peft_adapters_beyond_lora_are_exact_against_each_example_alone(kind):
     assert len(report.unexercised) < len(trainable)  # something was compared for real
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_dora_in_a_batch_of_one_is_each_examples_own_gradient():
+    """peft's DoRA layer forms its weight as lora_B(lora_A(eye(d_in))) before the batch's own LoRA
+    calls; the batch dimension was taken from that call (d_in rows), and in a batch of one the
+    layer's (1, T, d) output was refused as shared by d_in examples (a Poisson batch of one, or
+    micro-batches of one, stopped the run). Each example alone, on steps after the first (weights
+    out of autograd), has the norm and clipped sum of its own loss's gradient, float64."""
+    model = _peft_model("dora").double()
+    for module in model.modules():  # GPT-2's dropout off: each step sees the same function
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = ClippingEngine(model, "sum", 0.05, parameters=trainable)
+    batch = _padded()
+    loss = _lm_losses(model)
+    for k in [0, 1, 0, len(LENGTHS) - 1]:  # the first is the checked step
+        one = {key: v[k:k + 1] for key, v in batch.items()}
+        with engine.paused():
+            want = torch.autograd.grad(loss(one).sum(), trainable)
+        loss(one).sum().backward()
+        sums, norms = engine.clipped_sum(1)
+        engine.clear()
+        model.zero_grad(set_to_none=True)
+        norm = torch.cat([g.flatten() for g in want]).norm()
+        assert torch.allclose(norms, norm.reshape(1), rtol=1e-10, atol=0)
+        scale = min(1.0, 0.05 / float(norm))
+        for got, ref in zip(sums, want):
+            assert torch.allclose(got, ref * scale, rtol=1e-9, atol=1e-14)
+
+
 def test_peft_prompt_tuning_is_refused_in_one_line_naming_prefix_tuning():
     """peft computes a prompt-tuning prompt once and repeats it for the batch: its gradient is the
     batch's sum. Refused when the engine attaches (before, the engine's expansion of its shared

@@ -348,7 +348,7 @@ class ClippingEngine:
         self._autograd: dict[int, torch.Tensor] = {}
         self._backward_seen = False
         self._computing = False
-        self._first_batch: int | None = None  # batch dimension of the first hooked call of this batch
+        self._first_batch: int | None = None  # batch dimension of the first hooked call to start in this batch
         self._recomputed: list[tuple[nn.Module, _Call]] = []  # calls captured during the running backward
         self._prune_task: int | None = None  # the backward pass whose end drops unused recomputed calls
         self._root_batch: int | None = None  # dim 0 of the module's first tensor argument in this batch
@@ -382,6 +382,8 @@ class ClippingEngine:
                 self._handles.append(m.register_forward_pre_hook(self._skip_weight_grads, with_kwargs=True))
                 self._handles.append(m.register_forward_hook(self._restore_weight_grads, always_call=True,
                                                              prepend=True))
+            else:
+                self._handles.append(m.register_forward_pre_hook(self._note_first_batch, with_kwargs=True))
         for i, p in enumerate(self.parameters):
             self._handles.append(p.register_hook(lambda g, i=i: self._param_hook(i, g)))
         self._token_loss_used = False
@@ -442,6 +444,7 @@ class ClippingEngine:
         to the engine's hook; only a checkpointed block's recomputation keeps them. Uses nested or
         shared between hooked calls are counted so that the outermost restores.
         """
+        self._note_first_batch(m, args, kwargs)
         idx = self._skippable[m]
         source = False
         if self.verify or not self._verified or self._computing or not torch.is_grad_enabled() or _in_transform():
@@ -457,6 +460,16 @@ class ClippingEngine:
                 self.parameters[i].requires_grad_(False)
             self._depth[i] += 1
         self._skipping.append((m, idx, source))
+        return None
+
+    def _note_first_batch(self, m: nn.Module, args, kwargs):
+        """The batch dimension of this batch's first hooked call, noted when the call starts, not
+        when it returns: a layer that calls hooked layers inside its forward on something other than
+        the batch (peft's DoRA layer forms its weight as ``lora_B(lora_A(eye(d_in)))``) would
+        otherwise give d_in rows as the batch, and in a batch of one the layer's own (1, ...)
+        output was taken for one shared by d_in examples and refused."""
+        if self._first_batch is None and not self._computing and torch.is_grad_enabled():
+            self._first_batch = _first_dim(args, kwargs)
         return None
 
     def _restore_weight_grads(self, m: nn.Module, args, output):
