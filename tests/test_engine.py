@@ -481,6 +481,96 @@ def test_a_first_layer_used_outside_is_refused_on_every_step(first):
         eng.clipped_sum(5)
 
 
+def _three_steps_against_each_example_alone(model, x, y, params=None):
+    """Three steps on one batch (the first checked against autograd, the others with weights out of
+    autograd) against autograd on each example alone, float64: norms and clipped sums."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+    n = x.shape[0]
+
+    def losses(a, b):
+        return ((model(x[a:b]) - y[a:b]) ** 2).flatten(1).sum(1)
+
+    grads = [torch.autograd.grad(losses(k, k + 1).sum(), params) for k in range(n)]
+    ref_norms = torch.stack([torch.cat([g.flatten() for g in gs]).norm() for gs in grads])
+    clip = float(ref_norms.median())
+    scale = (clip / ref_norms).clamp(max=1.0)
+    ref_sums = [sum(scale[k] * grads[k][j] for k in range(n)) for j in range(len(params))]
+    eng = ClippingEngine(model, "sum", clip, parameters=params)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        losses(0, n).sum().backward()
+        sums, norms = eng.clipped_sum(n)
+        eng.clear()
+        _close(norms, ref_norms, 1e-10)
+        for got, want in zip(sums, ref_sums):
+            _close(got, want, 1e-10)
+    eng.detach()
+
+
+@pytest.mark.parametrize("first", ["linear", "embedding"])
+def test_a_first_layer_inside_a_non_reentrant_checkpoint_is_exact_on_every_step(first):
+    """Review: the first layer's call (no input gradient) ran out of autograd in the forward but
+    kept its weight in the block's recomputation, which then saved the Linear's input (or the
+    Embedding's indices) besides; non-reentrant checkpointing matches saved tensors by position, so
+    the backward failed from step 2 -- or, with B = d_in = hidden (the Linear case here), read the
+    wrong tensors and gave norms 50% off without a word."""
+    d = 7
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Embedding(11, d) if first == "embedding" else nn.Linear(d, d)
+            self.fc, self.head = nn.Linear(d, d), nn.Linear(d, 3)
+
+        def trunk(self, t):
+            return self.fc(torch.tanh(self.first(t)))
+
+        def forward(self, t):
+            h = torch.tanh(torch.utils.checkpoint.checkpoint(self.trunk, t, use_reentrant=False))
+            return self.head(h).sum(1) if first == "embedding" else self.head(h)
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 11, (4, 5)) if first == "embedding" else torch.randn(d, d, dtype=torch.float64)
+    _three_steps_against_each_example_alone(Net().double(), x, torch.randn(x.shape[0], 3, dtype=torch.float64))
+
+
+def test_a_first_layer_with_an_output_from_a_weight_the_engine_does_not_clip():
+    """Review: a first layer (registered rule) with two outputs, one from a clipped weight, one from
+    a trainable weight outside ``parameters=``; the second needs a gradient anyway, so the first
+    was left without a hook from step 2 and its weight's clipped sum was zero."""
+    class TwoOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.randn(6, 6) / 2), nn.Parameter(torch.randn(6, 6) / 2)
+
+        def forward(self, x):
+            return x @ self.w1, x @ self.w2
+
+    def rule(m, args, kwargs, grads, dtype):
+        x = args[0].to(dtype)
+        return {n: [torch.einsum("bti,btj->bij", x, g.to(dtype))] for n, g in (("w1", grads[0]), ("w2", grads[1]))
+                if g is not None}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.head = TwoOut(), nn.Linear(6, 3)
+
+        def forward(self, x):
+            a, b = self.first(x)
+            return self.head(torch.tanh(a) * torch.sigmoid(b)).sum(1)
+
+    register_layer(TwoOut, rule)
+    try:
+        torch.manual_seed(0)
+        m = Net().double()
+        _three_steps_against_each_example_alone(m, torch.randn(5, 4, 6, dtype=torch.float64),
+                                                torch.randn(5, 3, dtype=torch.float64),
+                                                params=[m.first.w1, m.head.weight, m.head.bias])
+    finally:
+        LAYER_HANDLERS.pop(TwoOut, None)
+
+
 def test_a_bias_used_outside_its_layer_is_refused_naming_it():
     # biases are clipped side by side in one block (engine.SMALL_DENSE): its unclipped sums are
     # checked against autograd's per parameter too

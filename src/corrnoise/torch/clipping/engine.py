@@ -332,13 +332,12 @@ class ClippingEngine:
         self._skippable = {m: [i for _, i in owned] for m, (handler, owned) in self._owners.items()
                            if handler is not fallback_handler and not isinstance(m, OPAQUE_TYPES)}
         # a parameter that only skippable calls own: once the sum check is done, autograd reaches it
-        # only through a call that kept it (a checkpointed block's recomputation) or through a use
-        # outside its module's forward, whose per-example share nothing captures (found in review: a
-        # use of 0.005 x the weight passed the first step's 1e-2 check, and one that began at step 1
-        # was never checked); such a gradient is refused on every step (:meth:`_param_hook`)
+        # only through a use outside its module's forward, whose per-example share nothing captures
+        # (found in review: a use of 0.005 x the weight passed the first step's 1e-2 check, and one
+        # that began at step 1 was never checked); such a gradient is refused on every step
+        # (:meth:`_param_hook`)
         shared = {i for m, (_, owned) in self._owners.items() if m not in self._skippable for _, i in owned}
         self._watched = {i for idx in self._skippable.values() for i in idx} - shared
-        self._kept: set[int] = set()  # parameters a hooked call kept in autograd since the last clear()
         self._outside: set[int] = set()
         self._depth = [0] * len(self.parameters)
         self._skipping: list[tuple[nn.Module, list[int], bool]] = []
@@ -427,7 +426,7 @@ class ClippingEngine:
         if self.verify or not self._verified:
             prev = self._autograd.get(i)
             self._autograd[i] = g.detach().clone() if prev is None else prev + g.detach()
-        elif i in self._watched and i not in self._kept:
+        elif i in self._watched:
             self._outside.add(i)
         return None
 
@@ -439,10 +438,13 @@ class ClippingEngine:
         Linear, a vocabulary-sized table per Embedding) is never read after the first step, whose
         check against it (:meth:`clipped_sum`) needs it, as does ``verify=True``: both keep
         autograd's. Gradients still flow to the input. A call whose input carries none (an
-        Embedding's indices, the first layer) runs without them too, and its output is made the
-        start of the graph (:meth:`_as_source`), so that it still carries the loss's gradient back
-        to the engine's hook; only a checkpointed block's recomputation keeps them. Uses nested or
-        shared between hooked calls are counted so that the outermost restores.
+        Embedding's indices, the first layer) runs without them too, and its outputs are made the
+        start of the graph (:meth:`_as_source`), so that they still carry the loss's gradient back
+        to the engine's hook. A checkpointed block's recomputation does the same as its forward:
+        non-reentrant checkpointing matches the tensors each saved by position (found in review:
+        a recomputation that kept the parameters saved the Linear's input besides, and the block's
+        backward failed, or read the wrong tensors where shapes agreed). Uses nested or shared
+        between hooked calls are counted so that the outermost restores.
         """
         self._note_first_batch(m, args, kwargs)
         idx = self._skippable[m]
@@ -450,11 +452,7 @@ class ClippingEngine:
         if self.verify or not self._verified or self._computing or not torch.is_grad_enabled() or _in_transform():
             idx = []
         elif not any(isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(args, kwargs)):
-            if _in_backward():
-                self._kept.update(idx)  # a recomputation: autograd reaches them from this call
-                idx = []
-            else:
-                source = bool(idx)
+            source = bool(idx)
         for i in idx:
             if self._depth[i] == 0:
                 self.parameters[i].requires_grad_(False)
@@ -621,9 +619,13 @@ class ClippingEngine:
             flat, spec = tree_flatten(output)
         outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if self._sourced is m:
+            # each floating output without a gradient: one that requires one anyway is computed from
+            # a trainable parameter the engine does not clip, and keeps its graph (found in review: a
+            # layer's second output did, and its first, from a clipped weight, was left unhooked)
             self._sourced = None
-            if not any(o.requires_grad for o in outs):
-                flat = [_as_source(o) if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in flat]
+            if not all(o.requires_grad for o in outs):
+                flat = [_as_source(o) if isinstance(o, torch.Tensor) and o.is_floating_point() and not o.requires_grad
+                        else o for o in flat]
                 output = replaced = flat[0] if spec is None else tree_unflatten(flat, spec)
                 outs = [o for o in flat if isinstance(o, torch.Tensor) and o.is_floating_point()]
         if not any(o.requires_grad for o in outs):
@@ -834,7 +836,6 @@ class ClippingEngine:
             calls.clear()
         self._reached.clear()
         self._autograd.clear()
-        self._kept.clear()
         self._outside.clear()
         self._recomputed.clear()
         self._backward_seen = False
