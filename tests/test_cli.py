@@ -105,6 +105,24 @@ def test_failed_verification_releases_nothing(capsys):
     assert code == 2 and out == "" and err.startswith("error: verify:") and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("compare, says", [("bsr:abc", "needs an integer B"), ("dpcgd:2", "must lie in [0, 1)"),
+                                           ("bsr:2000", "must be <= n = 22")])
+def test_a_bad_compare_name_is_refused_before_the_first_run_trains(capsys, monkeypatch, compare, says):
+    """Review: only an unknown name was caught up front; a malformed family parameter, or one too
+    large for the run's steps (22 here: digits, batch 64, 1 epoch), ended the command after the
+    first run had trained (minutes on Fashion-MNIST), its result lost."""
+    import corrnoise.training
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the first run trained before the second run's name was checked")
+
+    monkeypatch.setattr(corrnoise.training, "train", no_training)
+    code = main(["train", "--dataset", "digits", "--mechanism", "dpsgd", "--batching", "cyclic", "--epochs", "1",
+                 "--epsilon", "2", "--delta", "1e-5", "--compare", compare])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: compare: ") and says in err and "\n" not in err
+
+
 @pytest.mark.parametrize("args, param", [
     (["plan", "--dataset-size", "1000", "--batch-size", "100", "--epochs", "1", "--epsilon", "2", "--delta", "1e-5",
       "--mechanism-file", "x.txt"], "mechanism_file"),

@@ -29,10 +29,6 @@ def _progress_bar(enabled: bool):
     return bar, report
 
 
-#: the length a --compare name is parsed at before any run (only an unknown name is refused then)
-_NAME_CHECK_STEPS = 4096
-
-
 @click.command("train")
 @click.option("--dataset", type=click.Choice(["digits", "mnist1d", "fashion-mnist"]), default="digits",
               show_default=True, help="digits (scikit-learn), mnist1d (generated offline), fashion-mnist "
@@ -94,14 +90,14 @@ def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epoch
     if compare is not None and not compare.strip():
         raise CorrnoiseError("compare", "names a second mechanism to train beside the first; got an empty name")
     if compare is not None:  # a typo found before the first run trains, not after it
-        from ..runplan import is_planned, parse_mechanism
+        from ..training import check_mechanism
 
-        if not is_planned(compare, calibrated=True):
-            try:
-                parse_mechanism(compare, _NAME_CHECK_STEPS)
-            except CorrnoiseError as err:
-                if "unknown" in err.message:
-                    raise CorrnoiseError("compare", err.message) from None
+        try:
+            check_mechanism(dataset, compare, batching=batching, epochs=epochs, batch_size=batch_size)
+        except CorrnoiseError as err:
+            if err.param == "mechanism":
+                raise CorrnoiseError("compare", err.message) from None
+            raise
     bar, report = _progress_bar(not as_json and sys.stderr.isatty())
     if as_json:  # nothing but the JSON object; otherwise planning writes progress lines on stderr
         report = False
