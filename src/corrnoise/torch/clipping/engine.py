@@ -649,8 +649,6 @@ class ClippingEngine:
         self._calls[m].append(call)
         if in_backward:
             self._note_recomputed(m, call)
-        if self._first_batch is None:
-            self._first_batch = _first_dim(args, kwargs)
         if m in self._pending_probe:
             self._pending_probe.discard(m)
             self._expanded.append((m, outs[0]))
