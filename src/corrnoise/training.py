@@ -375,28 +375,26 @@ def candidate_choice(candidate, planned) -> dict[str, Any]:
     return choice_of(candidate, planned)
 
 
-def check_mechanism(dataset: str, mechanism: str, *, batching: str = AUTO, epochs: float | None = None,
-                    batch_size: int | None = None, data_options: dict[str, Any] | None = None) -> None:
+def check_mechanism(dataset: str, mechanism: str, *, epsilon: float, delta: float, batching: str = AUTO,
+                    epochs: float | None = None, batch_size: int | None = None,
+                    data_options: dict[str, Any] | None = None) -> None:
     """One line naming ``mechanism`` where :func:`train` could not build it for this run, said
     before any run trains: a name (``bsr:4``, ``blt:...``) is parsed for the run's own steps and
-    its batching formed for the pipeline, as :func:`choose_mechanism` does at the start of
-    :func:`train`. ``corrnoise train --compare`` checks its second run with it (a typo in a
-    family's parameter, ``bsr:abc`` or ``dpcgd:2``, was found only after the first run had
-    trained). ``auto`` and the planner's families pass (the planner builds them); loads the
-    dataset for its size."""
-    from .datasets import DATASETS, load
+    its batching formed for the pipeline, by :func:`choose_mechanism` with :func:`train`'s
+    settings. ``corrnoise train --compare`` checks its second run with it (a typo in a family's
+    parameter, ``bsr:abc`` or ``dpcgd:2``, was found only after the first run had trained).
+    ``auto`` and the planner's families pass (the planner builds them); loads the dataset for
+    its size."""
+    from .datasets import load
     from .runplan import choose_mechanism as choose, is_planned
 
     if is_planned(mechanism, calibrated=True):
         return
-    if dataset not in DATASETS:
-        raise CorrnoiseError("dataset", f"must be one of {', '.join(DATASETS)}, got {dataset!r}")
-    hp = dict(DATASETS[dataset].defaults)
-    hp.update({key: value for key, value in (("epochs", epochs), ("batch_size", batch_size)) if value is not None})
+    s = _settings(dataset, mechanism, batching, epsilon, delta, 0, None, "cpu", None, None,
+                  dict(epochs=epochs, batch_size=batch_size, lr=None, momentum=None, optimizer=None, clip_norm=None))
     n = len(load(dataset, **(data_options or {})).y_train)
-    choose(mechanism, num_examples=n, batch_size=check_int("batch_size", hp["batch_size"], minimum=1, maximum=n),
-           epochs=check_real("epochs", hp["epochs"], low=0.0, low_open=True), epsilon=1.0, delta=1e-5,
-           pipeline=batching)
+    choose(mechanism, num_examples=n, batch_size=check_int("batch_size", s.batch_size, minimum=1, maximum=n),
+           epochs=s.epochs, epsilon=s.epsilon, delta=s.delta, pipeline=s.pipeline)
 
 
 def choose_mechanism(mechanism: str, **kwargs: Any) -> dict[str, Any]:

@@ -93,7 +93,8 @@ def train_command(dataset, mechanism, batching, epsilon, delta, plan_file, epoch
         from ..training import check_mechanism
 
         try:
-            check_mechanism(dataset, compare, batching=batching, epochs=epochs, batch_size=batch_size)
+            check_mechanism(dataset, compare, epsilon=epsilon, delta=delta, batching=batching, epochs=epochs,
+                            batch_size=batch_size)
         except CorrnoiseError as err:
             if err.param == "mechanism":
                 raise CorrnoiseError("compare", err.message) from None

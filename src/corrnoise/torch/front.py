@@ -74,9 +74,9 @@ amplified batching is for experiments and raises a :class:`UserWarning`; the ord
 batches is not secret for the analysis. ``noise_seed`` drives the noise -- leave it None (a
 secret seed from the OS) for any real release. ``optimizer.state_dict()`` always holds the
 sampler seed (a resumed run reuses it) and, for stateful mechanisms, recent noise rows: keep
-checkpoints of the optimizer as private as the data. ``store_noise_seed``: put the noise seed there too. ``nan_policy``:
-examples whose gradient is NaN/inf are left out of the update (clip factor 0); ``"warn"``
-(default) warns and takes the step, ``"raise"`` refuses it.
+checkpoints of the optimizer as private as the data. ``store_noise_seed``: put the noise seed
+there too. ``nan_policy``: examples whose gradient is NaN/inf are left out of the update (clip
+factor 0); ``"warn"`` (default) warns and takes the step, ``"raise"`` refuses it.
 
 ``max_noise_memory`` ("2GB", "512MiB", 2e9 bytes): a budget for the noise state the generator keeps
 between steps, for the trainable parameters (count and dtype) the optimizer updates
