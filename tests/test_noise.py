@@ -406,15 +406,60 @@ def test_returned_tensor_is_not_retained(strategy):
         assert torch.equal(kept, b.next_flat())
 
 
+@pytest.mark.parametrize("strategy", ALL, ids=[s.label for s in ALL])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_row_is_written_again_only_once_nobody_holds_it(strategy, method):
+    """A CPU generator writes a row it handed out again (no fresh model-size block per step: issue
+    #27's BERT-base step), but only once nothing holds its memory. Rows the caller keeps -- the flat
+    row of ``next_flat``, one parameter's view, a numpy array of another's -- keep their values
+    while later rows are drawn, and equal a generator's whose rows were each cloned at once (same
+    code, same process: exactly); a row let go is the next row's memory."""
+    shapes = [(3, 5), (M - 15,)]
+    kw = dict(noise_std=NU, seed=SEED, dtype=torch.float64, chunk_size=CHUNK, method=method)
+    ref = make_generator(strategy, shapes, **kw)
+    want = [[p.clone() for p in ref.next()] for _ in range(N)]
+    gen, dropping = make_generator(strategy, shapes, **kw), make_generator(strategy, shapes, **kw)
+    held, ptrs, dropped = [], [], []
+    for t in range(N):
+        parts = gen.next() if t % 4 != 1 else gen.unflatten(flat := gen.next_flat())
+        ptrs.append(parts[0].data_ptr())
+        assert all(torch.equal(p, w) for p, w in zip(parts, want[t])), f"row {t}"
+        if t % 4 == 1:
+            held.append((t, None, flat))  # the flat row itself, written into the memory of row t - 1
+            del flat
+        elif t % 4 == 2:
+            held.append((t, 1, parts[1]))  # a view of one parameter's part
+        elif t % 4 == 3:
+            held.append((t, 0, parts[0].numpy()))
+        del parts  # t % 4 == 0: let go
+        other = dropping.next()
+        assert all(torch.equal(p, w) for p, w in zip(other, want[t])), f"row {t}, every row let go"
+        dropped.append(other[0].data_ptr())
+        del other
+    for t, i, h in held:
+        if i is None:
+            assert all(torch.equal(p, w) for p, w in zip(gen.unflatten(h), want[t])), f"row {t} changed while held"
+        else:
+            assert torch.equal(torch.as_tensor(h), want[t][i]), f"row {t} changed while held"
+    if gen.kind != "tree":  # (the buffered tree returns a sum of its buffers: a fresh tensor)
+        assert ptrs[1] == ptrs[0] and len(set(ptrs[1:4])) == 3, "a row let go was not the next row's memory"
+        assert len(set(dropped)) == 1
+
+
 def test_extra_memory_accounting():
     m = 1 << 18
     per_thread = scratch_bytes(DEFAULT_CHUNK, torch.float32, threads=1)
     assert per_thread == 5 * 4 * DEFAULT_CHUNK // 2 + 8 * DEFAULT_CHUNK // 2  # block + 3 half blocks + words
     big = 1 << 22
     dp = make_generator(DPCGD(0.9, 100), big, seed=0)
-    dp.next_flat(), dp.next_flat()
-    # O(block) scratch per thread, nothing of size m
+    dp.next_flat()
+    dp.next_flat()
+    # O(block) scratch per thread, nothing of size m (the row let go and written again is the row)
     assert dp.extra_memory_bytes() <= scratch_bytes(DEFAULT_CHUNK, torch.float32) < 4 * big // 2
+    held = dp.next_flat()  # a row the caller holds: the next one is a second kept row, counted
+    dp.next_flat()
+    assert dp.extra_memory_bytes() == scratch_bytes(DEFAULT_CHUNK, torch.float32) + 4 * big
+    del held
     band = make_generator(BandedSqrt(100, 16), m, seed=0)
     assert band.extra_memory_bytes() >= 15 * m * 4
     blt = make_generator(BLT([0.1] * 4, [0.9, 0.5, 0.3, 0.1], 100), m, seed=0)

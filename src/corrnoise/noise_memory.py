@@ -14,13 +14,16 @@ plain tree 0. ``method="regenerate"`` (memoryless regeneration, tutorial Sec. 4.
 keeps 0 for every strategy: it redraws the rows of Z it needs from the key, at more seed-noise
 draws per step.
 
-Not counted, because none is model-size state kept between steps: the step's output row (one
-model-size vector handed to the caller each step and not kept -- every mechanism, DP-SGD
-included, adds one), a float32 copy of that row made during the step on CPU for 16-bit dtypes,
-the CPU seed-noise scratch (at most one chunk of 2^18 coordinates per filling thread, a few MB
-whatever the model size), and the coefficient arrays (float64, O(n) numbers: O(n^2) for a
-regenerated dense C). :meth:`corrnoise.noise.NoiseGenerator.extra_memory_bytes` counts the last
-two for a built generator.
+Not counted, because none is state of the mechanism (each is the same for every mechanism, or does
+not grow with the model): the step's output row (one model-size vector handed to the caller each
+step -- every mechanism, DP-SGD included, adds one; on CPU the generator keeps its memory for a
+later step's row once the caller has let it go, :meth:`corrnoise.noise.NoiseGenerator._row_buffer`,
+as CUDA's caching allocator keeps a freed block), a float32 copy of that row made during the step
+on CPU for 16-bit dtypes, the CPU seed-noise scratch (at most one chunk of 2^18 coordinates per
+filling thread, a few MB whatever the model size), and the coefficient arrays (float64, O(n)
+numbers: O(n^2) for a regenerated dense C).
+:meth:`corrnoise.noise.NoiseGenerator.extra_memory_bytes` counts the scratch, the coefficient
+arrays and a second kept row (while the caller holds the last) for a built generator.
 
 Torch-free (the planner imports it); a torch dtype is accepted by its name.
 """

@@ -16,6 +16,18 @@ __all__ = ["NoiseGenerator", "resolve_dim", "split_flat"]
 
 _STATE_VERSION = 2  # 2: counter-based Philox Z (issue #8); a version-1 seed gives another Z
 
+#: rows a CPU generator keeps for reuse (:meth:`NoiseGenerator._row_buffer`): one for a loop whose
+#: ``zero_grad`` drops the gradients, two where it keeps them (the last row is still ``p.grad``)
+KEPT_ROWS = 2
+
+
+def _storage_holders(t: torch.Tensor) -> int | None:
+    """How many references the storage of ``t`` has (tensors, views, storage objects), or None where
+    this torch does not say (``torch._C._storage_Use_Count``, which inductor's CUDA graph trees use
+    for the same question: is anyone still holding this memory)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(t.untyped_storage()._cdata))
+
 
 def resolve_dim(dim: Any) -> tuple[int, list[torch.Size] | None]:
     """(m, shapes): ``dim`` is an int m, a shape (torch.Size / tuple of ints), or a list of
@@ -52,8 +64,9 @@ def split_flat(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tenso
 class NoiseGenerator:
     """Base class: the step counter, seed noise, scaling, splitting, checkpoints.
 
-    Subclasses implement ``_raw_step(t)`` returning a fresh flat tensor equal to
-    nu * (C^{-1} Z)[t] over the shard for the (un-normalized) base strategy.
+    Subclasses implement ``_raw_step(t)`` returning a flat tensor held by nobody else (from
+    :meth:`_combination` / :meth:`_z` without ``out``) equal to nu * (C^{-1} Z)[t] over the shard
+    for the (un-normalized) base strategy.
     """
 
     kind = "abstract"
@@ -98,19 +111,46 @@ class NoiseGenerator:
             raise CorrnoiseError("strategy", "column scales shorter than the number of steps")
         self.label = label or self.kind
         self.t = 0
+        self._rows: list[tuple[torch.Tensor, int]] = []  # kept row buffers and their holders when alone
 
     # --- seed noise ------------------------------------------------------------------------
     def _combination(self, terms, out: torch.Tensor | None = None) -> torch.Tensor:
         """nu * sum_i coef_i Z[tau_i] over the shard for ``terms`` = [(tau_i, coef_i)], fused
         block by block (:func:`corrnoise.noise.seeds.fill_noise_combination`)."""
         if out is None:
-            out = torch.empty(self.size, dtype=self.dtype, device=self.device)
+            out = self._row_buffer()
         nu = self.noise_std
         return fill_noise_combination(out, self.seed, [(tau, nu * c) for tau, c in terms], self.m,
                                       self.start, self.chunk_size)
 
+    def _row_buffer(self) -> torch.Tensor:
+        """A tensor of the shard's size for a step's row, held by nobody else.
+
+        On CPU a fresh one each step is not free: a model-sized block goes back to the system when
+        the loop drops its gradients and is taken again page by page at the next step (BERT-base,
+        109M parameters, 2 cores: the noise rows of bsr:4 took ~0.8 s of a 2.2 s private step, and the
+        step 1.49x a plain one, 1.28x with kept rows; benchmarks/RESULTS.md). So a CPU generator keeps
+        up to :data:`KEPT_ROWS` rows it returned, and hands one out again only when nothing else
+        holds its memory any more (no ``p.grad``, no view, nor the tensor handed out: the storage has
+        as many holders as when the generator alone held it), so no tensor anyone can still see
+        changes. What it hands out is always a view of the kept tensor, never the kept tensor
+        itself. On CUDA the caching allocator already reuses blocks: a fresh tensor each step."""
+        if self.device.type == "cpu":
+            for buf, alone in self._rows:
+                if _storage_holders(buf) == alone:
+                    return buf.view(buf.shape)
+        buf = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu" and len(self._rows) < KEPT_ROWS:
+            alone = _storage_holders(buf)
+            if alone is not None:
+                self._rows.append((buf, alone))
+                # another tensor object on the same memory: a caller's reference to the one it gets is
+                # then a holder of the storage (a second reference to ``buf`` itself would not be)
+                return buf.view(buf.shape)
+        return buf
+
     def _z(self, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """nu * Z[t] over the shard (a fresh tensor unless ``out`` is given)."""
+        """nu * Z[t] over the shard (in ``out``, else in a row nobody else holds: :meth:`_row_buffer`)."""
         return self._combination([(t, 1.0)], out)
 
     # --- stepping --------------------------------------------------------------------------
@@ -182,8 +222,10 @@ class NoiseGenerator:
 
     def extra_memory_bytes(self) -> int:
         """Bytes held beyond one m-vector: buffers, coefficient arrays, and on CPU the seed-noise
-        scratch (one block and its Box-Muller temporaries per filling thread)."""
+        scratch (one block and its Box-Muller temporaries per filling thread) and the rows kept for
+        reuse beyond the first (:meth:`_row_buffer`: a second one while the caller holds the last)."""
         total = sum(b.numel() * b.element_size() for b in self._buffers().values())
+        total += sum(b.numel() * b.element_size() for b, _ in self._rows[1:])
         total += sum(a.nbytes for a in self._arrays())
         if self.device.type == "cpu":
             total += scratch_bytes(min(self.chunk_size, self.size), self.dtype)

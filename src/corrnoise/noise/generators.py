@@ -38,7 +38,9 @@ at m = 1e7 on 2 cores than these two multi-threaded torch kernels, so it was dro
 Column-normalized strategies (tutorial Def. 2.10) wrap any kind: C_norm^{-1} = D C^{-1}, so
 the row is multiplied by the column norm of step t (Remark 2.19) at no extra memory.
 
-The generator never keeps a reference to the tensor it returns (callers may modify it).
+Callers may modify and keep the tensor a generator returns: a CPU generator keeps up to two rows it
+returned, but writes one again only once nothing else holds its memory
+(:meth:`~corrnoise.noise.base.NoiseGenerator._row_buffer`).
 ``state_dict()`` / ``load_state_dict()`` checkpoint the step counter and buffers;
 ``seek(t)`` fast-forwards a fresh generator (buffered kinds replay the steps, the others jump).
 A state dict holds the seed, from which all past noise can be rebuilt: keep checkpoints as

@@ -29,7 +29,7 @@ def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], c
 
     ``overwrite_noise``: the result is written into ``noise`` (as (zeta / B) noise + S / B), which
     must then be the caller's own tensors: no new memory, two passes. The privatizer's rows are
-    (a generator never keeps the tensor it returns). In a BERT-base step (108M parameters, 2 CPU
+    (a generator hands out a row nobody else holds). In a BERT-base step (108M parameters, 2 CPU
     cores) the privatization took 616 ms into new tensors (a fresh 430 MB each step, paid page by
     page) and 53 ms in place (benchmarks/RESULTS.md). Otherwise new tensors, S + zeta noise then
     divided in place.
@@ -124,7 +124,7 @@ class Privatizer:
 
     def privatize(self, sums: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The privatized average gradient g_hat_t (Alg. 3.1, line 8) for this step's sums, written
-        into this step's noise row (the generator's fresh tensor, held nowhere else)."""
+        into this step's noise row (the generator's, held by nobody else)."""
         return privatize_sum(list(sums), self.noise(), self.clip_norm, self.expected_batch_size, overwrite_noise=True)
 
     def state_dict(self) -> dict[str, Any]:
