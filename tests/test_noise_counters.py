@@ -651,3 +651,26 @@ def test_broadcast_seed_keeps_every_bit():
     finally:
         dist.destroy_process_group()
 
+
+
+def test_a_small_fill_stays_on_the_calling_thread(monkeypatch):
+    """A CPU fill of fewer than PARALLEL_MIN_BLOCKS blocks runs on the calling thread (a training
+    step's fill follows torch's kernels, whose spinning OpenMP workers our threads would share the
+    cores with); from that many on, the worker threads share the blocks. The thread count does not
+    change a value."""
+    pools = []
+    real = S._pool
+    monkeypatch.setattr(S, "_threads", lambda: 2)
+    monkeypatch.setattr(S, "_pool", lambda n: pools.append(n) or real(n))
+    chunk, k = 64, S.PARALLEL_MIN_BLOCKS
+    small = torch.empty((k - 1) * chunk)
+    S.fill_seed_noise(small, 5, 3, small.numel(), chunk_size=chunk)
+    assert pools == []
+    big = torch.empty(k * chunk)
+    S.fill_seed_noise(big, 5, 3, big.numel(), chunk_size=chunk)
+    assert pools and set(pools) == {2}
+    used = len(pools)
+    monkeypatch.setattr(S, "PARALLEL_MIN_BLOCKS", k + 1)
+    alone = torch.empty(k * chunk)
+    S.fill_seed_noise(alone, 5, 3, alone.numel(), chunk_size=chunk)
+    assert len(pools) == used and torch.equal(alone, big)

@@ -30,8 +30,9 @@ Per-device paths (Z therefore depends on the device type, and on float32 vs floa
 
 * CPU -- numpy's ``Philox`` (Philox4x64-10, 128-bit key, 256-bit counter), chosen by
   measurement (benchmarks/RESULTS.md): its raw 64-bit words are C-fast and numpy releases the
-  GIL, so worker threads fill different blocks in parallel; the Box-Muller transform is numpy
-  SIMD ufuncs on a cache-sized block. Key = derive_key bytes 0..15. Block k of row t uses the
+  GIL, so worker threads fill different blocks in parallel (a row of at least
+  :data:`PARALLEL_MIN_BLOCKS` blocks; a smaller one on the calling thread); the Box-Muller
+  transform is numpy SIMD ufuncs on a cache-sized block. Key = derive_key bytes 0..15. Block k of row t uses the
   counters ``(i, k, t, domain)``, i = 1 .. ceil(words / 4) (:func:`block_counter`); float32
   uses one 64-bit word per pair (low 32 bits -> u1, high -> u2), float64 two words (53 bits
   each). ``domain`` = 0x5A01 (float32) / 0x5A02 (float64), so the two never share a counter;
@@ -518,6 +519,25 @@ def _threads() -> int:
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1, 8))
 
 
+#: a CPU fill of fewer blocks runs on the calling thread alone (:func:`_fill_threads`)
+PARALLEL_MIN_BLOCKS = 8
+
+
+def _fill_threads(blocks: int) -> int:
+    """Threads for a CPU fill of ``blocks`` blocks: the calling thread alone below
+    :data:`PARALLEL_MIN_BLOCKS` (2M coordinates at the default block).
+
+    A training step fills its row right after torch's own kernels, whose OpenMP workers then
+    spin for a while waiting for more work; worker threads of ours share the cores with them. On
+    the 2-core VM, each fill right after a 256 x 256 matmul: 1 thread against 2 took 0.81 / 0.86
+    ms at 3e5 coordinates, 2.74 / 2.95 ms at 1e6, 10.8 / 11.1 at 4e6, and 21.8 / 18.8 at 8e6,
+    42.9 / 29.5 at 1.6e7 (alone, without the matmul, 2 threads fill 4e6 in 6.2 ms); BERT's private
+    step at width 128 (3.6e5 parameters) 0.6-0.9 ms shorter on the calling thread
+    (benchmarks/RESULTS.md). Larger rows outlast the spinning and gain from the threads. The
+    values do not depend on the thread count (each block is drawn from its own counters)."""
+    return min(_threads(), blocks) if blocks >= PARALLEL_MIN_BLOCKS else 1
+
+
 def draw_block(dst: np.ndarray, key: list[int], t: int, block: int, length: int, f64: bool,
                coef: float = 1.0, accumulate: bool = False) -> None:
     """dst (length 2 ceil(length / 2)) = coef * Z[t, block] (or += with ``accumulate``), CPU path."""
@@ -564,7 +584,7 @@ def _fill_cpu(out: torch.Tensor, seed: int, terms, m: int, start: int, chunk: in
     key = _cpu_key(seed)
     stop = start + out.numel()
     blocks = list(range(start // chunk, -(-stop // chunk)))
-    nthreads = min(_threads(), len(blocks))
+    nthreads = _fill_threads(len(blocks))
     if nthreads <= 1:
         _fill_blocks(arr, key, terms, m, start, chunk, blocks)
     else:
