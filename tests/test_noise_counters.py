@@ -652,7 +652,6 @@ def test_broadcast_seed_keeps_every_bit():
         dist.destroy_process_group()
 
 
-
 def test_a_small_fill_stays_on_the_calling_thread(monkeypatch):
     """A CPU fill of fewer than PARALLEL_MIN_BLOCKS blocks runs on the calling thread (a training
     step's fill follows torch's kernels, whose spinning OpenMP workers our threads would share the

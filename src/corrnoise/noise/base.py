@@ -128,9 +128,9 @@ class NoiseGenerator:
 
         On CPU a fresh one each step is not free: a model-sized block goes back to the system when
         the loop drops its gradients and is taken again page by page at the next step (BERT-base,
-        109M parameters, 2 cores: the noise rows of bsr:4 took ~0.8 s of a 2.2 s private step, and the
-        step 1.49x a plain one, 1.28x with kept rows; benchmarks/RESULTS.md). So a CPU generator keeps
-        up to :data:`KEPT_ROWS` rows it returned, and hands one out again only when nothing else
+        109M parameters, 2 cores, bsr:4: the row took 834 ms of a 2.5 s private step, 1.71x a plain
+        one; 1.30x with kept rows; benchmarks/RESULTS.md). So a CPU generator keeps up to
+        :data:`KEPT_ROWS` rows it returned, and hands one out again only when nothing else
         holds its memory any more (no ``p.grad``, no view, nor the tensor handed out: the storage has
         as many holders as when the generator alone held it), so no tensor anyone can still see
         changes. What it hands out is always a view of the kept tensor, never the kept tensor

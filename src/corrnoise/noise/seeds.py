@@ -32,11 +32,12 @@ Per-device paths (Z therefore depends on the device type, and on float32 vs floa
   measurement (benchmarks/RESULTS.md): its raw 64-bit words are C-fast and numpy releases the
   GIL, so worker threads fill different blocks in parallel (a row of at least
   :data:`PARALLEL_MIN_BLOCKS` blocks; a smaller one on the calling thread); the Box-Muller
-  transform is numpy SIMD ufuncs on a cache-sized block. Key = derive_key bytes 0..15. Block k of row t uses the
-  counters ``(i, k, t, domain)``, i = 1 .. ceil(words / 4) (:func:`block_counter`); float32
-  uses one 64-bit word per pair (low 32 bits -> u1, high -> u2), float64 two words (53 bits
-  each). ``domain`` = 0x5A01 (float32) / 0x5A02 (float64), so the two never share a counter;
-  bfloat16/float16 rows are the float32 row rounded. Default block: 2^18 coordinates.
+  transform is numpy SIMD ufuncs on a cache-sized block. Key = derive_key bytes 0..15. Block k
+  of row t uses the counters ``(i, k, t, domain)``, i = 1 .. ceil(words / 4)
+  (:func:`block_counter`); float32 uses one 64-bit word per pair (low 32 bits -> u1, high ->
+  u2), float64 two words (53 bits each). ``domain`` = 0x5A01 (float32) / 0x5A02 (float64), so
+  the two never share a counter; bfloat16/float16 rows are the float32 row rounded. Default
+  block: 2^18 coordinates.
 * other devices (CUDA, ...) -- Philox4x32-10 written with torch integer ops
   (:func:`philox4x32`, checked against the Random123 known-answer vectors), the same on every
   device. On CUDA a float32 row is one Triton kernel where Triton is installed
