@@ -446,6 +446,23 @@ def test_a_row_is_written_again_only_once_nobody_holds_it(strategy, method):
         assert len(set(dropped)) == 1
 
 
+def test_a_row_in_shared_memory_is_never_written_again():
+    """A row moved to shared memory (torch.multiprocessing sends tensors that way) may be mapped by
+    another process, whose holders the generator cannot count: it is let go, not written again."""
+    gen = make_generator(Identity(N), M, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)
+    first = gen.next_flat()
+    ptr = first.data_ptr()
+    del first
+    second = gen.next_flat()
+    assert second.data_ptr() == ptr  # let go: written again
+    second.share_memory_()
+    shared = second.data_ptr()
+    del second
+    third = gen.next_flat()
+    assert third.data_ptr() != shared and not third.is_shared()
+    assert len(gen._rows) == 1 and gen._rows[0][0].data_ptr() != shared
+
+
 def test_extra_memory_accounting():
     m = 1 << 18
     per_thread = scratch_bytes(DEFAULT_CHUNK, torch.float32, threads=1)

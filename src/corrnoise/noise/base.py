@@ -134,8 +134,12 @@ class NoiseGenerator:
         holds its memory any more (no ``p.grad``, no view, nor the tensor handed out: the storage has
         as many holders as when the generator alone held it), so no tensor anyone can still see
         changes. What it hands out is always a view of the kept tensor, never the kept tensor
-        itself. On CUDA the caching allocator already reuses blocks: a fresh tensor each step."""
+        itself. A row moved to shared memory (``share_memory_()``, or sent to another process by
+        ``torch.multiprocessing``) is let go: another process may map it, and its holders there
+        are not counted here. On CUDA the caching allocator already reuses blocks: a fresh tensor
+        each step."""
         if self.device.type == "cpu":
+            self._rows = [(buf, alone) for buf, alone in self._rows if not buf.is_shared()]
             for buf, alone in self._rows:
                 if _storage_holders(buf) == alone:
                     return buf.view(buf.shape)
