@@ -697,7 +697,9 @@ def test_release_model_stops_a_run_early():
     model2, opt, loader = _private(model)
     _one_step(model2, opt, loader)
     _one_step(model2, opt, loader)  # the step after the first (weight gradients out of autograd)
+    assert opt.privatizer.generator._rows  # on CPU the generator keeps its last row for reuse
     opt.release_model()
+    assert opt.privatizer.generator._rows == []  # ... and lets go of it with the model
     x, y = next(iter(DataLoader(_data(16), batch_size=16)))
     nn.functional.cross_entropy(model(x), y).backward()
     assert all(p.grad is not None for p in model.parameters())

@@ -3,7 +3,9 @@ checkpoints (see :mod:`corrnoise.noise.generators` for the mechanisms' recurrenc
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -21,12 +23,35 @@ _STATE_VERSION = 2  # 2: counter-based Philox Z (issue #8); a version-1 seed giv
 KEPT_ROWS = 2
 
 
-def _storage_holders(t: torch.Tensor) -> int | None:
-    """How many references the storage of ``t`` has (tensors, views, storage objects), or None where
-    this torch does not say (``torch._C._storage_Use_Count``, which inductor's CUDA graph trees use
-    for the same question: is anyone still holding this memory)."""
+def _storage_holders(t: torch.Tensor) -> tuple[int, int] | None:
+    """Who holds the memory of ``t``, as two counts: the references to its storage (tensors and
+    views on it: ``torch._C._storage_Use_Count``, which inductor's CUDA graph trees ask for the
+    same question) and to its Python storage object (``untyped_storage()`` returns one object per
+    storage, kept with it, so a caller holding only that object -- or a typed ``storage()`` on it
+    -- adds to the second count, not the first: found in review). None where this torch does not
+    count as :func:`_holders_counted` checks."""
     count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(t.untyped_storage()._cdata))
+    if count is None:
+        return None
+    storage = t.untyped_storage()
+    return int(count(storage._cdata)), sys.getrefcount(storage)
+
+
+@functools.lru_cache(maxsize=None)
+def _holders_counted() -> bool:
+    """Whether :func:`_storage_holders` sees a view and a held storage object come and go on this
+    torch (checked once on a small tensor; where not, generators take a fresh row each step)."""
+    t = torch.empty(4)
+    alone = _storage_holders(t)
+    if alone is None:
+        return False
+    view = t.view(4)
+    with_view = _storage_holders(t)
+    del view
+    storage = t.untyped_storage()
+    with_storage = _storage_holders(t)
+    del storage
+    return with_view != alone and with_storage != alone and _storage_holders(t) == alone
 
 
 def resolve_dim(dim: Any) -> tuple[int, list[torch.Size] | None]:
@@ -111,7 +136,7 @@ class NoiseGenerator:
             raise CorrnoiseError("strategy", "column scales shorter than the number of steps")
         self.label = label or self.kind
         self.t = 0
-        self._rows: list[tuple[torch.Tensor, int]] = []  # kept row buffers and their holders when alone
+        self._rows: list[tuple[torch.Tensor, tuple[int, int]]] = []  # kept rows, their holders when alone
 
     # --- seed noise ------------------------------------------------------------------------
     def _combination(self, terms, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,29 +154,33 @@ class NoiseGenerator:
         On CPU a fresh one each step is not free: a model-sized block goes back to the system when
         the loop drops its gradients and is taken again page by page at the next step (BERT-base,
         109M parameters, 2 cores, bsr:4: the row took 834 ms of a 2.5 s private step, 1.71x a plain
-        one; 1.30x with kept rows; benchmarks/RESULTS.md). So a CPU generator keeps up to
-        :data:`KEPT_ROWS` rows it returned, and hands one out again only when nothing else
-        holds its memory any more (no ``p.grad``, no view, nor the tensor handed out: the storage has
-        as many holders as when the generator alone held it), so no tensor anyone can still see
-        changes. What it hands out is always a view of the kept tensor, never the kept tensor
-        itself. A row moved to shared memory (``share_memory_()``, or sent to another process by
-        ``torch.multiprocessing``) is let go: another process may map it, and its holders there
-        are not counted here. On CUDA the caching allocator already reuses blocks: a fresh tensor
-        each step."""
-        if self.device.type == "cpu":
-            self._rows = [(buf, alone) for buf, alone in self._rows if not buf.is_shared()]
-            for buf, alone in self._rows:
-                if _storage_holders(buf) == alone:
-                    return buf.view(buf.shape)
+        one; 1.30x with kept rows; benchmarks/RESULTS.md). So a CPU generator keeps the last
+        :data:`KEPT_ROWS` rows it returned, and hands one out again only when nothing else holds
+        its memory any more (no ``p.grad``, no view, no storage object, nor the tensor handed out:
+        :func:`_storage_holders` counts as many holders as when the generator alone held it), so
+        no tensor anyone can still see changes. What it hands out is always a view of the kept
+        tensor, never the kept tensor itself. A row moved to shared memory (``share_memory_()``,
+        or sent to another process by ``torch.multiprocessing``) is let go: another process may
+        map it, and its holders there are not counted here. Where all kept rows are still held
+        (a caller keeping early rows), the oldest is forgotten for the new one. On CUDA the
+        caching allocator already reuses blocks: a fresh tensor each step."""
+        if self.device.type != "cpu" or KEPT_ROWS < 1 or not _holders_counted():
+            return torch.empty(self.size, dtype=self.dtype, device=self.device)
+        self._rows = [(kept, alone) for kept, alone in self._rows if not kept.is_shared()]
+        for kept, alone in self._rows:
+            if _storage_holders(kept) == alone:
+                return kept.view(kept.shape)
         buf = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu" and len(self._rows) < KEPT_ROWS:
-            alone = _storage_holders(buf)
-            if alone is not None:
-                self._rows.append((buf, alone))
-                # another tensor object on the same memory: a caller's reference to the one it gets is
-                # then a holder of the storage (a second reference to ``buf`` itself would not be)
-                return buf.view(buf.shape)
-        return buf
+        self._rows = (self._rows + [(buf, _storage_holders(buf))])[-KEPT_ROWS:]
+        # another tensor object on the same memory: a caller's reference to the one it gets is then a
+        # holder of the storage (a second reference to ``buf`` itself would not be)
+        return buf.view(buf.shape)
+
+    def drop_kept_rows(self) -> None:
+        """Let go of the rows kept for reuse (:meth:`_row_buffer`, up to two model-size tensors on
+        CPU); the private optimizer does when its run is over (``release_model``). A later step
+        keeps its row again."""
+        self._rows = []
 
     def _z(self, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """nu * Z[t] over the shard (in ``out``, else in a row nobody else holds: :meth:`_row_buffer`)."""

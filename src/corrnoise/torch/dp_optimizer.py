@@ -165,8 +165,10 @@ class DPOptimizer(torch.optim.Optimizer):
         captures nothing, and backward gives every weight gradient, as without make_private). Done
         by itself after the last planned step; call it to stop a run early and go on with the model
         (plain fine-tuning, evaluation with gradients, a new make_private). This optimizer cannot
-        step afterwards; ``privacy_spent`` and ``state_dict`` still answer."""
+        step afterwards; ``privacy_spent`` and ``state_dict`` still answer. The noise generator lets
+        go of the rows it kept for reuse (on CPU, up to two model-size tensors)."""
         self.engine.detach(by="optimizer")  # a second call (an engine already detached) changes nothing
+        self.privatizer.drop_kept_rows()
 
     def check_attribution(self, per_example_loss, batch, *, examples: int = 3, compute_dtype=None):
         """Check once, on a real batch of at least 2 examples, that the engine gives each example its

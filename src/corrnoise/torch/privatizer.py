@@ -107,6 +107,14 @@ class Privatizer:
         target = getattr(self.generator, "local", self.generator)  # a ShardedNoise holds its shard's generator
         target.noise_std = nu
 
+    def drop_kept_rows(self) -> None:
+        """The generator lets go of the rows it keeps for reuse on CPU
+        (:meth:`corrnoise.noise.NoiseGenerator.drop_kept_rows`), where it keeps any."""
+        target = getattr(self.generator, "local", self.generator)  # a ShardedNoise holds its shard's generator
+        drop = getattr(target, "drop_kept_rows", None)
+        if drop is not None:
+            drop()
+
     @property
     def step(self) -> int:
         """The index t of the next noise row."""
