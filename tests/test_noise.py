@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -413,7 +414,8 @@ def test_a_row_is_written_again_only_once_nobody_holds_it(strategy, method):
     """A CPU generator writes a row it handed out again (no fresh model-size block per step: issue
     #27's BERT-base step), but only once nothing holds its memory. Rows the caller keeps -- the flat
     row of ``next_flat``, one parameter's view, a numpy array of another's, only its storage object
-    (untyped or typed: found in review, the storage's own count did not see these) -- keep their
+    or a weak reference to it (found in two reviews: the storage's own count did not see these;
+    a typed storage: the next test) -- keep their
     values while later rows are drawn, and equal a generator's whose rows were each cloned at once
     (same code, same process: exactly); a row let go is the next row's memory, also after the rows
     kept for reuse were all held (the oldest is then forgotten)."""
@@ -422,7 +424,7 @@ def test_a_row_is_written_again_only_once_nobody_holds_it(strategy, method):
     ref = make_generator(strategy, shapes, **kw)
     want = [[p.clone() for p in ref.next()] for _ in range(N)]
     gen, dropping = make_generator(strategy, shapes, **kw), make_generator(strategy, shapes, **kw)
-    held, ptrs, dropped = [], [], []
+    held, ptrs, dropped, weak = [], [], [], []
     for t in range(N):
         parts = gen.next() if t % 6 != 1 else gen.unflatten(flat := gen.next_flat())
         ptrs.append(parts[0].data_ptr())
@@ -435,11 +437,9 @@ def test_a_row_is_written_again_only_once_nobody_holds_it(strategy, method):
         elif t % 6 == 3:
             held.append((t, 0, parts[0].numpy()))
         elif t % 6 == 4:
-            held.append((t, None, parts[0].untyped_storage()))
+            weak.append((t, weakref.ref(parts[1].untyped_storage())))  # nothing else
         elif t % 6 == 5:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # TypedStorage is deprecated
-                held.append((t, None, parts[1].storage()))
+            held.append((t, None, parts[0].untyped_storage()))
         del parts  # t % 6 == 0: let go
         other = dropping.next()
         assert all(torch.equal(p, w) for p, w in zip(other, want[t])), f"row {t}, every row let go"
@@ -455,10 +455,28 @@ def test_a_row_is_written_again_only_once_nobody_holds_it(strategy, method):
             storage = h.untyped() if hasattr(h, "untyped") else h
             values = torch.empty(0, dtype=torch.float64).set_(storage)[:M]
             assert torch.equal(values, whole[t]), f"row {t} changed while its storage was held"
+    for t, ref_ in weak:  # a weak reference alone: the row it still reaches keeps its values
+        storage = ref_()
+        if storage is not None:
+            values = torch.empty(0, dtype=torch.float64).set_(storage)[:M]
+            assert torch.equal(values, whole[t]), f"row {t} changed while a weak reference reached it"
     if gen.kind != "tree":  # (the buffered tree returns a sum of its buffers: a fresh tensor)
         assert ptrs[1] == ptrs[0] and len(set(ptrs[1:7])) == 6 and ptrs[7] == ptrs[6], \
             "a row let go was not the next row's memory"
         assert len(set(dropped)) == 1
+
+
+def test_a_row_held_by_its_typed_storage_is_not_written_again():
+    """A typed ``storage()`` of a row (deprecated, but torch still hands it out) holds the row."""
+    gen = make_generator(Identity(N), M, seed=SEED, dtype=torch.float64, chunk_size=CHUNK)
+    row = gen.next_flat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated
+        typed = row.storage()
+    want = row.clone()
+    del row
+    gen.next_flat()
+    assert torch.equal(torch.empty(0, dtype=torch.float64).set_(typed.untyped())[:M], want)
 
 
 def test_a_row_in_shared_memory_is_never_written_again():

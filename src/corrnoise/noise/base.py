@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import weakref
 from typing import Any
 
 import numpy as np
@@ -23,24 +24,26 @@ _STATE_VERSION = 2  # 2: counter-based Philox Z (issue #8); a version-1 seed giv
 KEPT_ROWS = 2
 
 
-def _storage_holders(t: torch.Tensor) -> tuple[int, int] | None:
-    """Who holds the memory of ``t``, as two counts: the references to its storage (tensors and
+def _storage_holders(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """Who holds the memory of ``t``, as three counts: the references to its storage (tensors and
     views on it: ``torch._C._storage_Use_Count``, which inductor's CUDA graph trees ask for the
-    same question) and to its Python storage object (``untyped_storage()`` returns one object per
-    storage, kept with it, so a caller holding only that object -- or a typed ``storage()`` on it
-    -- adds to the second count, not the first: found in review). None where this torch does not
-    count as :func:`_holders_counted` checks."""
+    same question), to its Python storage object, and the weak references to that object
+    (``untyped_storage()`` returns one object per storage, kept with it, so a caller holding only
+    that object -- or a typed ``storage()`` on it, or a ``weakref`` to it -- adds to the second or
+    third count, not the first: found in two reviews). None where this torch does not count as
+    :func:`_holders_counted` checks."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return None
     storage = t.untyped_storage()
-    return int(count(storage._cdata)), sys.getrefcount(storage)
+    return int(count(storage._cdata)), sys.getrefcount(storage), weakref.getweakrefcount(storage)
 
 
 @functools.lru_cache(maxsize=None)
 def _holders_counted() -> bool:
-    """Whether :func:`_storage_holders` sees a view and a held storage object come and go on this
-    torch (checked once on a small tensor; where not, generators take a fresh row each step)."""
+    """Whether :func:`_storage_holders` sees a view, a held storage object and a weak reference to
+    it come and go on this torch (checked once on a small tensor; where not, generators take a
+    fresh row each step)."""
     t = torch.empty(4)
     alone = _storage_holders(t)
     if alone is None:
@@ -50,8 +53,11 @@ def _holders_counted() -> bool:
     del view
     storage = t.untyped_storage()
     with_storage = _storage_holders(t)
+    weak = weakref.ref(storage)
     del storage
-    return with_view != alone and with_storage != alone and _storage_holders(t) == alone
+    with_weak = _storage_holders(t)
+    del weak
+    return len({alone, with_view, with_storage, with_weak}) == 4 and _storage_holders(t) == alone
 
 
 def resolve_dim(dim: Any) -> tuple[int, list[torch.Size] | None]:
@@ -136,7 +142,7 @@ class NoiseGenerator:
             raise CorrnoiseError("strategy", "column scales shorter than the number of steps")
         self.label = label or self.kind
         self.t = 0
-        self._rows: list[tuple[torch.Tensor, tuple[int, int]]] = []  # kept rows, their holders when alone
+        self._rows: list[tuple[torch.Tensor, tuple[int, int, int]]] = []  # kept rows, their holders when alone
 
     # --- seed noise ------------------------------------------------------------------------
     def _combination(self, terms, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,9 +162,9 @@ class NoiseGenerator:
         109M parameters, 2 cores, bsr:4: the row took 834 ms of a 2.5 s private step, 1.71x a plain
         one; 1.30x with kept rows; benchmarks/RESULTS.md). So a CPU generator keeps the last
         :data:`KEPT_ROWS` rows it returned, and hands one out again only when nothing else holds
-        its memory any more (no ``p.grad``, no view, no storage object, nor the tensor handed out:
-        :func:`_storage_holders` counts as many holders as when the generator alone held it), so
-        no tensor anyone can still see changes. What it hands out is always a view of the kept
+        its memory any more (no ``p.grad``, no view, no storage object or weak reference to one,
+        nor the tensor handed out: :func:`_storage_holders` counts as many holders as when the
+        generator alone held it), so no tensor anyone can still see changes. What it hands out is always a view of the kept
         tensor, never the kept tensor itself. A row moved to shared memory (``share_memory_()``,
         or sent to another process by ``torch.multiprocessing``) is let go: another process may
         map it, and its holders there are not counted here. Where all kept rows are still held
