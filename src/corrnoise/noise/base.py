@@ -164,12 +164,12 @@ class NoiseGenerator:
         :data:`KEPT_ROWS` rows it returned, and hands one out again only when nothing else holds
         its memory any more (no ``p.grad``, no view, no storage object or weak reference to one,
         nor the tensor handed out: :func:`_storage_holders` counts as many holders as when the
-        generator alone held it), so no tensor anyone can still see changes. What it hands out is always a view of the kept
-        tensor, never the kept tensor itself. A row moved to shared memory (``share_memory_()``,
-        or sent to another process by ``torch.multiprocessing``) is let go: another process may
-        map it, and its holders there are not counted here. Where all kept rows are still held
-        (a caller keeping early rows), the oldest is forgotten for the new one. On CUDA the
-        caching allocator already reuses blocks: a fresh tensor each step."""
+        generator alone held it), so no tensor anyone can still see changes. What it hands out is
+        always a view of the kept tensor, never the kept tensor itself. A row moved to shared
+        memory (``share_memory_()``, or sent to another process by ``torch.multiprocessing``) is
+        let go: another process may map it, and its holders there are not counted here. Where all
+        kept rows are still held (a caller keeping early rows), the oldest is forgotten for the new
+        one. On CUDA the caching allocator already reuses blocks: a fresh tensor each step."""
         if self.device.type != "cpu" or KEPT_ROWS < 1 or not _holders_counted():
             return torch.empty(self.size, dtype=self.dtype, device=self.device)
         self._rows = [(kept, alone) for kept, alone in self._rows if not kept.is_shared()]
