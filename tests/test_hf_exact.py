@@ -240,16 +240,41 @@ def test_lora_with_dropout_matches_autograd_on_the_same_masks(arch):
     _compare(grads, result, clip, RTOL)
 
 
-def test_a_dora_embedding_is_refused_in_one_line():
-    """DoRA rescales the adapted table by a learned norm (a LoRA variant) that the rule does not model."""
-    from corrnoise.errors import CorrnoiseError
-
+@pytest.mark.parametrize("embed_scale", [None, 1.7], ids=["plain", "scaled"])
+def test_a_dora_embedding_matches_one_example_at_a_time(embed_scale):
+    """peft's DoRA on an Embedding (magnitudes over column norms the forward detaches, as peft does):
+    the LoRA Embedding's rule forms A's, B's and the magnitudes' gradients per example (the DoRA
+    layer itself has no batch dimension in its output), with the padding index inside real text;
+    ``embed_scale`` (a scaled embedding, as Gemma's) multiplies the adapter's output. Each example
+    alone, float64."""
     config = peft.LoraConfig(r=4, target_modules=["word_embeddings"], use_dora=True, init_lora_weights=False)
     model = peft.get_peft_model(_bert(), config)
+    layer = model.base_model.model.bert.embeddings.word_embeddings
+    if embed_scale is not None:
+        layer.base_layer.embed_scale = embed_scale  # peft scales the adapter's output by it
+    with torch.no_grad():
+        layer.lora_magnitude_vector["default"].weight.mul_(torch.linspace(0.5, 1.5, 64, dtype=torch.float64))
+    names = [n.rsplit("word_embeddings.", 1)[-1] for n, p in model.named_parameters() if p.requires_grad]
+    assert names == ["lora_embedding_A.default", "lora_embedding_B.default", "lora_magnitude_vector.default.weight"]
+    batch = _cls_batch()
+    grads = _one_at_a_time(model, batch, _cls_losses)
+    assert all(float(g[2].abs().max()) > 0 for g in grads)  # the magnitudes do get a gradient
+    clip = _clip_between(_norms(grads))
+    _compare(grads, _engine(model, batch, _cls_losses, clip), clip, RTOL)
+
+
+def test_a_dora_embedding_beside_another_adapter_is_refused_in_one_line():
+    """Two active adapters on one Embedding, one of them DoRA: DoRA rescales what the other added."""
+    from corrnoise.errors import CorrnoiseError
+
+    dora = peft.LoraConfig(r=4, target_modules=["word_embeddings"], use_dora=True, init_lora_weights=False)
+    model = peft.get_peft_model(_bert(), dora)
+    model.add_adapter("plain", peft.LoraConfig(r=4, target_modules=["word_embeddings"], init_lora_weights=False))
+    model.base_model.set_adapter(["default", "plain"])
     with pytest.raises(CorrnoiseError) as err:
         _engine(model, _cls_batch(), _cls_losses, 1.0)
     assert err.value.param == "module" and "\n" not in str(err.value)
-    assert "word_embeddings" in str(err.value) and "DoRA" in str(err.value)
+    assert "word_embeddings" in str(err.value) and "DoRA beside other active adapters" in str(err.value)
 
 
 def test_lora_engine_and_noise_cover_trainable_parameters_only():

@@ -98,6 +98,11 @@ def owned_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     for key, child in module.named_children():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             own += [(f"{key}.{n}", p) for n, p in child.named_parameters()]
+        elif key == "lora_magnitude_vector" and is_peft_lora_embedding(module):
+            # DoRA's magnitudes: its layer is called by the LoRA Embedding's forward with the
+            # LoRA tables as arguments, and its output has no batch dimension; the LoRA
+            # Embedding's rule forms their gradients (:func:`peft_lora_embedding_handler`)
+            own += [(f"{key}.{n}", p) for n, p in child.named_parameters()]
     return own
 
 
@@ -223,8 +228,16 @@ def peft_lora_embedding_handler(module, args, kwargs, grad_outs, dtype):
         grad A = sum_t (s B^T dY_t) onehot(x_t)^T   factor (s dY B, onehot(x)): a one-hot column side
 
     (no gradient to the column padding_idx, as F.embedding does). peft applies no dropout on
-    this path. Refused: a LoRA variant (DoRA), per-call ``adapter_names``, tensor-parallel
-    input/output functions, ``max_norm`` (renormalizes the table in place during forward)."""
+    this path. DoRA (peft's variant, the only adapter active on the layer): y = c * (E[x] +
+    s A^T[x] B^T) with c = m / n per output coordinate, m the magnitudes and n the column norms
+    ||W^T + s' B A|| over the vocabulary (s' the scaling alone), treated as a constant as peft
+    does (DoRA Sec. 4.3: it is detached); so A and B get the rules above with dY * c, and
+
+        grad m = sum_t dY_t * (E[x_t] + s A^T[x_t] B^T) / n     (dense, per example)
+
+    Refused: another LoRA variant, DoRA beside another active adapter (each rescales what the
+    ones before it added), per-call ``adapter_names``, tensor-parallel input/output functions,
+    ``max_norm`` (renormalizes the table in place during forward)."""
     if module.merged or module.disable_adapters:
         return {}  # the forward used the base layer alone
     if "adapter_names" in kwargs:
@@ -242,23 +255,36 @@ def peft_lora_embedding_handler(module, args, kwargs, grad_outs, dtype):
     idx = x.reshape(b, 1, -1).long()
     g = as_dtype(grad_outs[0].reshape(b, 1, idx.shape[2], -1), dtype)
     embed_scale = module._get_embed_scale() if hasattr(module, "_get_embed_scale") else None
+    active = [name for name in module.active_adapters if name in module.lora_embedding_A]
+    variants = getattr(module, "lora_variant", {})
     out = {}
-    for name in module.active_adapters:
-        if name not in module.lora_embedding_A:
-            continue
-        if name in getattr(module, "lora_variant", {}) or name in getattr(module, "input_fns", {}) \
-                or name in getattr(module, "output_fns", {}):
-            raise CorrnoiseError("module", f"peft LoRA Embedding adapter '{name}' is a LoRA variant (DoRA) or "
-                                 "tensor-parallel; only vanilla LoRA is supported")
+    for name in active:
+        if name in getattr(module, "input_fns", {}) or name in getattr(module, "output_fns", {}):
+            raise CorrnoiseError("module", f"peft LoRA Embedding adapter '{name}' is tensor-parallel; only vanilla "
+                                 "LoRA and DoRA are supported")
+        dora = name in variants
+        if dora and type(variants[name]).__name__ != "DoraEmbeddingVariant":
+            raise CorrnoiseError("module", f"peft LoRA Embedding adapter '{name}' is a LoRA variant "
+                                 f"({type(variants[name]).__name__}); only vanilla LoRA and DoRA are supported")
+        if dora and len(active) > 1:
+            raise CorrnoiseError("module", f"peft LoRA Embedding adapter '{name}' is DoRA beside other active adapters "
+                                 f"({', '.join(active)}): DoRA rescales what the others added; activate one")
         a = module.lora_embedding_A[name].detach().to(dtype)
         bm = module.lora_embedding_B[name].detach().to(dtype)
         s = float(module.scaling[name]) * (1.0 if embed_scale is None else float(embed_scale))
         h = F.embedding(idx, a.t())  # (b, 1, T, r)
-        ga = s * torch.matmul(g, bm)  # (b, 1, T, r)
+        gg = g
+        if dora:
+            n = torch.linalg.norm(base.weight.detach().to(dtype).t() + float(module.scaling[name]) * (bm @ a), dim=1)
+            mag = f"lora_magnitude_vector.{name}.weight"
+            looked_up = as_dtype(base(x), dtype).reshape(g.shape)  # E[x_t], the base layer's scaling included
+            out[mag] = [(g * (looked_up + s * torch.matmul(h, bm.t()))).sum(dim=2)[:, 0] / n]
+            gg = g * (module.lora_magnitude_vector[name].weight.detach().to(dtype) / n)
+        ga = s * torch.matmul(gg, bm)  # (b, 1, T, r)
         if base.padding_idx is not None:
             ga = ga * (idx != base.padding_idx).unsqueeze(-1).to(dtype)
         out[f"lora_embedding_A.{name}"] = [(ga, OneHot(idx, a.shape[1]))]
-        out[f"lora_embedding_B.{name}"] = [(s * g, h)]
+        out[f"lora_embedding_B.{name}"] = [(s * gg, h)]
     return out
 
 
