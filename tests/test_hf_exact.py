@@ -277,6 +277,48 @@ def test_a_dora_embedding_beside_another_adapter_is_refused_in_one_line():
     assert "word_embeddings" in str(err.value) and "DoRA beside other active adapters" in str(err.value)
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_a_lora_embedding_reads_a_multiple_choice_batch_flattened(dora):
+    """BertForMultipleChoice looks up its (B, choices, L) ids as B * choices rows: the LoRA
+    Embedding's rule (vanilla and DoRA) reads them example-major once check_attribution has
+    verified it (refused before), and the norms and clipped sums of two steps are each example's
+    alone (float64)."""
+    from corrnoise.torch.clipping import check_attribution
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=V, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    targets = ["word_embeddings"] if dora else ["word_embeddings", "query"]
+    model = peft.get_peft_model(transformers.BertForMultipleChoice(cfg).double(),
+                                peft.LoraConfig(r=4, target_modules=targets, use_dora=dora, init_lora_weights=False))
+    ids = torch.randint(1, V, (B, 3, 8), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 2, 1, 0])}
+
+    def losses_of(m, b):
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        return F.cross_entropy(logits, b["labels"], reduction="none")
+
+    grads = _one_at_a_time(model, batch, losses_of)
+    clip = _clip_between(_norms(grads))
+    eng = ClippingEngine(model, loss_reduction="mean", max_grad_norm=clip)
+    try:
+        report = check_attribution(eng, lambda b: losses_of(model, b), batch, examples=B)
+        assert report.worst < 1e-6 and "base_model.model.bert.embeddings.word_embeddings" in report.flattened
+        results = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            losses = losses_of(model, batch)
+            losses.mean().backward()
+            sums, norms = eng.clipped_sum(B)
+            eng.clear()
+            results.append((sums, norms, losses.detach()))
+    finally:
+        eng.detach()
+    for result in results:
+        _compare(grads, result, clip, RTOL)
+
+
 def test_lora_engine_and_noise_cover_trainable_parameters_only():
     """Frozen base weights get no noise and no update, and the noise generator (its state included)
     is sized by the LoRA parameters alone, even with an optimizer given every parameter."""

@@ -147,8 +147,8 @@ from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_no
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
                      fallback_handler, handler_for, is_top_k_router, layernorm_handler, linear_handler,
-                     moe_experts_handler, owned_parameters, rmsnorm_handler, router_loss_refusal, rows_independent,
-                     takes_indices)
+                     moe_experts_handler, owned_parameters, peft_lora_embedding_handler, rmsnorm_handler,
+                     router_loss_refusal, rows_independent, takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -159,8 +159,8 @@ _RESHAPED_OUTPUT_HANDLERS = (linear_handler, conv1d_like_handler)
 #: rules that take any leading dimensions, so a call that sees the batch flattened to (B*m, ...) can be
 #: read as (B, m, ...) (ClippingEngine._flattened); the fallback reads so only the layers that
 #: :func:`.layers.rows_independent` names (mixture-of-experts routers and experts)
-_FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, layernorm_handler, rmsnorm_handler,
-                moe_experts_handler)
+_FLATTENABLE = (linear_handler, conv1d_like_handler, embedding_handler, peft_lora_embedding_handler, layernorm_handler,
+                rmsnorm_handler, moe_experts_handler)
 
 
 def _reads_flat(m: nn.Module, handler) -> bool:
