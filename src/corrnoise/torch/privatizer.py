@@ -104,14 +104,16 @@ class Privatizer:
     def adopt_noise_std(self, noise_std: float) -> None:
         """Use ``noise_std`` from now on (resuming a run whose checkpoint was calibrated to it)."""
         nu = check_real("noise_std", noise_std, low=0.0, low_open=True)
-        target = getattr(self.generator, "local", self.generator)  # a ShardedNoise holds its shard's generator
-        target.noise_std = nu
+        self._own_generator().noise_std = nu
+
+    def _own_generator(self):
+        """The generator that draws this process's rows: a ShardedNoise holds its shard's."""
+        return getattr(self.generator, "local", self.generator)
 
     def drop_kept_rows(self) -> None:
         """The generator lets go of the rows it keeps for reuse on CPU
         (:meth:`corrnoise.noise.NoiseGenerator.drop_kept_rows`), where it keeps any."""
-        target = getattr(self.generator, "local", self.generator)  # a ShardedNoise holds its shard's generator
-        drop = getattr(target, "drop_kept_rows", None)
+        drop = getattr(self._own_generator(), "drop_kept_rows", None)
         if drop is not None:
             drop()
 
