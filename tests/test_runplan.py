@@ -433,3 +433,18 @@ def test_a_plan_whose_parts_are_not_of_one_run_is_refused():
                                              "poisson:0.1"):
         _front(dataclasses.replace(pp, sampler=SamplerSpec.of("poisson", big, 5 * B), batch_size=5 * B), batch=5 * B)
     _front(plan)  # the plan as made
+
+
+def test_a_named_batching_the_planner_does_not_form_is_warned_about(recwarn):
+    # DP-CGD is not banded: under a Poisson pipeline the planner accounts it unamplified, and its
+    # batches are then formed in cyclic order -- not the Poisson sampling the caller named (found
+    # by a user probe: silent before)
+    with pytest.warns(UserWarning, match=r"batching='poisson'.*formed as 'cyclic', not by poisson sampling"):
+        plan = plan_run(dataset_size=64, batch_size=16, mechanism="dpcgd", batching="poisson", epsilon=4.0,
+                        delta=1e-5, epochs=2)
+    assert plan.sampler.name == "cyclic"
+    recwarn.clear()
+    plan = plan_run(dataset_size=64, batch_size=16, mechanism="dpsgd", batching="poisson", epsilon=4.0, delta=1e-5,
+                    epochs=2)  # DP-SGD keeps its Poisson sampling: nothing to say
+    assert plan.sampler.name == "poisson"
+    assert not [w for w in recwarn if "formed as" in str(w.message)]

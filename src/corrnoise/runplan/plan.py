@@ -90,10 +90,12 @@ def plan_run(
                                  f"or name a mechanism to use a given noise ({NAMES_HELP})")
         if ready is not None:
             raise CorrnoiseError("mechanism", f"{mechanism!r} is chosen with its batching: pass batching as a name")
+        asked = batching
         mechanism, batching, steps, guarantee, planned = plan_mechanism(
             mechanism, batching, num_examples=dataset_size, batch_size=batch_size, epochs=epochs, steps=steps,
             epsilon=epsilon, delta=delta, progress=progress, noise_budget=noise_budget)
         epsilon, epochs, label = None, None, planned.recommended.mechanism
+        _warn_other_batching(asked, batching, label)
     if guarantee is not None:
         if any(v is not None for v in (epsilon, noise_std, noise_multiplier)):
             raise CorrnoiseError("guarantee", "give a guarantee or one of epsilon, noise_std, noise_multiplier, not both")
@@ -117,6 +119,25 @@ def plan_run(
                    dict(accounting_options or {}), label or strategy.label, asked_pipeline,
                    tuple(c.to_dict() for c in planned.candidates) if planned is not None else (), planned,
                    _planned_noise_method(planned))
+
+
+def _warn_other_batching(asked: str, formed: str, label: str) -> None:
+    """A UserWarning where the planner's pick for an explicitly named ``batching`` forms its batches
+    another way: a Poisson or balls-in-bins pipeline may be accounted unamplified (tutorial
+    Sec. 3.3: any batches, the pipeline's participation), and its batches are then formed in
+    cyclic order. The guarantee holds for what runs; the warning says the asked sampling is not
+    what runs (found by a user probe: ``batching="poisson"`` with ``mechanism="bandmf"`` trained
+    on cyclic batches without a word)."""
+    if asked == AUTO or pipeline_of(formed) == pipeline_of(asked):
+        return
+    import warnings
+
+    from ..errors import user_stacklevel
+
+    warnings.warn(f"batching={asked!r}: the planner's best {label} for this run is accounted without amplification, "
+                  f"so its batches are formed as {formed!r}, not by {asked} sampling; name a mechanism (identity, "
+                  f"bsr:4, ...) to train on {asked} batches, or pass batching='auto'", UserWarning,
+                  stacklevel=user_stacklevel())
 
 
 def _plan_for_pipeline(pipeline, mechanism, batching, *, dataset_size, batch_size, delta, epsilon, others, epochs,
