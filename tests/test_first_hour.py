@@ -4,6 +4,8 @@ a run without a length; and privacy_spent / get_epsilon answer instantly during 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import corrnoise.runplan.agreement as torch_optimizer  # where privacy_spent calls the accounting
 from corrnoise.errors import CorrnoiseError
+from corrnoise.progress import resolve_progress
 from corrnoise.torch import make_private
 from corrnoise.torch.opacus_adapter import PrivacyEngine
 
@@ -176,3 +179,26 @@ def test_plan_json_writes_no_file_unasked_and_takes_epochs_as_a_number(tmp_path,
     assert data["candidates"][0]["noise_cost_unit"].startswith("model-size Gaussian draws")
     bad = CliRunner().invoke(cli, args[:4] + ["2.5"] + args[5:])
     assert isinstance(bad.exception, CorrnoiseError) and bad.exception.param == "epochs"  # one line: main() exits 2
+
+
+def test_accounting_a_given_noise_reports_progress(monkeypatch, capsys):
+    # the run's guarantee of a given noise is accounted on the first privacy_spent() (a balls-in-bins
+    # Monte Carlo verification: about a minute, silent before): its progress reaches stderr
+    model, opt, loader = _private(mechanism="bsr:2", batching="poisson", epochs=2, noise_multiplier=1.5, seed=None)
+    real = torch_optimizer.account
+
+    def slow(event, *a, progress=None, **k):
+        report = resolve_progress(progress)
+        report("verifying", 0, 2)
+        time.sleep(1.1)  # past LineProgress's quiet first second
+        report("verifying", 1, 2)
+        return real(event, *a, **k)
+
+    monkeypatch.setattr(torch_optimizer, "account", slow)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.privacy_spent().kind == "guarantee"
+    assert "verifying 1/2" in capsys.readouterr().err
+    opt.privacy_spent(steps=1)
+    assert "verifying 1/2" in capsys.readouterr().err

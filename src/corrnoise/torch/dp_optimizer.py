@@ -303,16 +303,19 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # --- privacy -----------------------------------------------------------------------------
     def privacy_spent(self, steps: int | None = None, *, delta: float | None = None, **options: Any) -> PrivacyResult:
-        """The (epsilon, delta) guarantee for what was released so far, instantly.
+        """The (epsilon, delta) guarantee for what was released so far.
 
         Without arguments: the guarantee of the whole planned run (the one the noise was
-        calibrated to, else accounted once and kept), which bounds every prefix of it -- the
+        calibrated to, instantly; else accounted on the first call and kept: a balls-in-bins run's
+        Monte Carlo verification takes about a minute, with progress lines on stderr), which bounds every prefix of it -- the
         first k released updates are a post-processing of all of them (noise row t of C^-1 Z
         depends only on rows <= t of Z). ``extras["scope"]`` says ``"run"``. ``delta``: at
         another delta (accounted once per delta). Zero steps taken: epsilon 0.
 
-        ``steps=k`` or accounting options ask for the tighter guarantee of the first k steps
-        alone (accounted now: seconds to minutes for Monte Carlo), ``extras["scope"]`` ``"prefix"``."""
+        ``steps=k`` or accounting options ask for the guarantee of the first k steps alone
+        (accounted now: seconds to minutes for Monte Carlo), ``extras["scope"]`` ``"prefix"``:
+        tighter under amplified batching (Poisson; balls-in-bins at whole epochs); unamplified
+        (cyclic) accounting analyses the planned run's participation, so there it is the run's."""
         if steps is None and not options:
             if self.steps_taken == 0:
                 return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std,
@@ -329,7 +332,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return self.calibration.with_extras(steps=int(k), accounted_steps=int(self.steps), scope="prefix")
         return privacy_spent(self.strategy, self.batching, noise_std=self.noise_std, delta=d, steps=k,
                              planned_steps=self.steps, method=self.accounting_method,
-                             **{**self.accounting_options, **options}).with_extras(scope="prefix")
+                             **{"progress": True, **self.accounting_options, **options}).with_extras(scope="prefix")
 
     def run_guarantee(self, delta: float | None = None) -> PrivacyResult:
         """The guarantee of the whole planned run (all ``steps``) at ``delta`` (default the run's):
@@ -339,9 +342,12 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.calibration is not None and d == self.delta:
             return self.calibration
         if d not in self._run_guarantees:
+            # progress lines on stderr past a second (a balls-in-bins run's Monte Carlo verification
+            # takes about a minute: found silent by a user probe)
             self._run_guarantees[d] = privacy_spent(
                 self.strategy, self.batching, noise_std=self.noise_std, delta=d, steps=self.steps,
-                planned_steps=self.steps, method=self.accounting_method, **self.accounting_options)
+                planned_steps=self.steps, method=self.accounting_method,
+                **{"progress": True, **self.accounting_options})
         return self._run_guarantees[d]
 
     # --- checkpoints -----------------------------------------------------------------------------
