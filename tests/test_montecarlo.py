@@ -373,6 +373,26 @@ def test_account_raises_when_verification_cannot_reach_the_failure_probability()
     assert "failure probability" in str(e.value)
 
 
+def test_a_calibrated_noise_that_fails_verification_says_to_calibrate_again(monkeypatch):
+    """A calibration sample that estimated delta too low (the README's own example met one): the
+    refusal says to calibrate again with more samples and what each attempt costs, not "increase
+    the noise" (the noise was the calibration's). Forced here by verifying 0.7x the calibrated noise."""
+    from corrnoise.accounting.montecarlo import release
+
+    real = release.verify_privacy
+    monkeypatch.setattr(release, "verify_privacy", lambda red, bins, nu, *a, **k: real(red, bins, 0.7 * nu, *a, **k))
+    with pytest.raises(CorrnoiseError) as e:
+        mc.account_balls_in_bins(_correlated(6), 3, delta=1e-3, epsilon=1.0, samples=100_000, seed=0)
+    _one_line(e, "verify")
+    assert "calibrate again with more samples (samples / --samples 400000)" in str(e.value)
+    assert "increase the noise" not in str(e.value)
+    # a noise the caller gave keeps the old advice (the caller chose it)
+    monkeypatch.setattr(release, "verify_privacy", real)
+    with pytest.raises(CorrnoiseError, match="increase the noise"):
+        mc.account_balls_in_bins(_correlated(6), 3, delta=1e-3, noise_std=0.05, samples=100_000, seed=0,
+                                 verify_samples=2000)
+
+
 def test_make_private_refuses_noise_that_failed_verification():
     """Failure probability 1.0 (2000 verification samples); it trained all 20 steps before."""
     with pytest.raises(CorrnoiseError) as e:

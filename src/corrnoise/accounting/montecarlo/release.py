@@ -133,6 +133,20 @@ def verify_privacy(C: Any, bins: int, noise_std: float, epsilon: float, delta: f
     return Verification(epsilon, delta, noise_std, tau, threshold, da, dr, sa, sr, samples, fp, ok, seed)
 
 
+def recalibration_advice(ver: Verification, samples: int) -> str:
+    """The one-line refusal of a calibrated noise whose fresh-sample verification failed, with what
+    to do: the calibration sample put delta_hat + margin at delta / tau, the fresh one above it (a
+    rare draw of the calibration sample, by the margin of :func:`verification_margin_z`; a user
+    probe met one with the README's own example). Calibrating again with more samples narrows the
+    margin of error; each attempt adds its failure probability to the delta really spent (seed 000
+    Thm 2.2), which the message states."""
+    return (f"Monte Carlo verification of ({ver.epsilon:g}, {ver.delta:g})-DP at the calibrated noise_std "
+            f"{ver.noise_std:.6g} failed (fresh-sample delta_hat: add {ver.delta_add:.3g}, remove {ver.delta_remove:.3g} "
+            f"> delta / tau = {ver.threshold:.3g}); nothing is released: the calibration sample estimated delta too low "
+            f"at this noise; calibrate again with more samples (samples / --samples {4 * samples}), each attempt adding "
+            f"its failure probability {ver.failure_probability:.2g} to the delta spent")
+
+
 def release_verified(ver: Verification) -> Verification:
     """The Release step of Estimate-Verify-Release (seed 000 Algorithm 1, Thm 2.1): a candidate
     whose fresh-sample verification failed is never released -- one-line CorrnoiseError naming
@@ -268,6 +282,7 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, nois
     target = None if delta is None else (delta / tau if verify else delta)
     z = margin_z if verify else 0.0
     extras: dict[str, Any] = {"seed_source": "explicit" if explicit else "os"}
+    calibrated_here, asked_samples = noise_std is None, 0
     if noise_std is None:
         epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
         m = (DEFAULT_PRE_VERIFY_SAMPLES if verify else DEFAULT_CALIBRATION_SAMPLES) if samples is None else samples
@@ -280,6 +295,7 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, nois
         noise_std = cal.noise_std
         est = (cal.delta_add, cal.delta_remove, cal.std_error_add, cal.std_error_remove, cal.samples)
         extras.update(calibration_samples=cal.samples, calibration_evaluations=cal.evaluations)
+        asked_samples = m
     else:
         noise_std = _check_noise(noise_std)
         m = (DEFAULT_PRE_VERIFY_SAMPLES if verify else DEFAULT_SAMPLES) if samples is None else samples
@@ -309,8 +325,11 @@ def account_balls_in_bins(C: Any, bins: int, *, delta: float | None = None, nois
     if delta is None:
         delta = delta_candidate(da, dr, sa, sr, m, tau, z)
     vseed, vsource = verification_seed(seed, explicit, verify_seed)
-    ver = release_verified(verify_privacy(red, bins, noise_std, epsilon, delta, verify_samples, vseed, tau, workers,
-                                          progress, _reduced=red))
+    ver = verify_privacy(red, bins, noise_std, epsilon, delta, verify_samples, vseed, tau, workers, progress,
+                         _reduced=red)
+    if not ver.verified and calibrated_here and ver.failure_probability <= ver.delta:
+        raise CorrnoiseError("verify", recalibration_advice(ver, asked_samples))
+    ver = release_verified(ver)
     extras.update(tau=tau, verify_threshold=ver.threshold, verify_seed=vseed, verify_seed_source=vsource)
     return MonteCarloResult(epsilon, delta, noise_std, nm, ver.delta_add, ver.delta_remove, ver.std_error_add,
                             ver.std_error_remove, ver.samples, red.bins, red.epochs, seed, ver.verified,
