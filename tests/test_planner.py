@@ -266,8 +266,17 @@ def test_a_screened_candidate_within_the_screening_noise_of_the_best_final_is_fi
         return real(cand, setup)
 
     monkeypatch.setattr(core, "finalize_candidate", spy)
-    chosen = best_final(planned.candidates, planned.setup)
+    labels = []
+    token = core._REPORT.set(lambda label, done, total: labels.append(label))
+    try:
+        chosen = best_final(planned.candidates, planned.setup)
+    finally:
+        core._REPORT.reset(token)
     assert rival in finalized and rival.final
+    # each finalization is a progress phase of its own, naming its candidate (LineProgress writes a
+    # line per new phase; one shared phase left the last line naming a candidate that lost)
+    phases = {label.split(": ", 1)[0] for label in labels if label.startswith("final guarantee")}
+    assert f"final guarantee of {rival.mechanism} {rival.batching}" in phases
     assert chosen.final and chosen.rms_error == min(c.rms_error for c in planned.candidates if c.final and c.feasible)
 
 

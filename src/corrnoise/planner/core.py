@@ -756,7 +756,10 @@ def finalize_candidate(cand: Candidate, setup: PlanSetup) -> Candidate:
     if cand.final or not cand.calibrated:
         return cand
     report = _REPORT.get()
-    what = f"final guarantee: {cand.mechanism} {cand.batching}"
+    # the candidate inside the phase (LineProgress's phase ends at ": "): with it after the colon every
+    # finalization was one phase, so a later candidate's line was not written and the last line named
+    # a candidate that lost (a user probe: "final guarantee: bandmf:16 ..." before bandmf:8 trained)
+    what = f"final guarantee of {cand.mechanism} {cand.batching}"
     if cand.monte_carlo:
         what = f"verifying {cand.mechanism} + {cand.batching}{_verify_eta(cand, setup)}"
     report(what, 0, 1)
