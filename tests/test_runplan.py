@@ -135,11 +135,43 @@ def test_a_changed_mechanism_parameter_is_refused(tmp_path):
     ("given-noise", "estimate", lambda d: d.update(accounting_options={"estimate": True})),
     ("bandmf", "guarantee", lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] * 0.99)),  # PLD
     ("gaussian", "guarantee", lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] * 0.99)),
+    # descriptive fields that contradict the content (a user probe: all were accepted and reported)
+    ("bandmf", "label", lambda d: d.update(label="dpsgd")),  # trained bsr:2, reported DP-SGD
+    ("bandmf", "mechanism", lambda d: d["mechanism"].update(label="identity")),
+    ("balls-in-bins", "pipeline", lambda d: d.update(pipeline="cyclic")),  # cyclic does not form balls-in-bins
+    ("given-noise", "pipeline", lambda d: d.update(pipeline="balls-in-bins")),
+    ("gaussian", "pipeline", lambda d: d.update(pipeline="teleport")),
+    ("gaussian", "epochs", lambda d: d.update(epochs=4)),  # 20 steps are not 4 epochs of 10 examples
+    ("balls-in-bins", "epochs", lambda d: d.update(epochs=4, steps_per_epoch=5)),  # consistent with each other only
+    ("gaussian", "steps_per_epoch", lambda d: d.update(steps_per_epoch=5)),
 ])
 def test_a_tampered_plan_is_refused_naming_the_field(tmp_path, case, field, change):
     path = _plan(case).to_json(tmp_path / "plan.json")
     _tamper(path, change)
     _refused(path, field)
+
+
+def test_a_plan_label_names_its_mechanism_by_content(tmp_path):
+    """A user probe relabelled a BandMF plan ``dpsgd`` (and its mechanism ``identity``) and training
+    reported DP-SGD. A plan's label is kept only where it names the mechanism by content: its own
+    label, a name that builds it (same fingerprint), or the planner's name of the candidate the
+    plan trains; a mechanism file's path that does not read as it gives way to its own label."""
+    planned = plan_run(dataset_size=N, batch_size=B, mechanism="auto", batching="cyclic", epsilon=4.0, delta=1e-5,
+                       epochs=2)
+    path = planned.to_json(tmp_path / "plan.json")
+    assert RunPlan.from_json(path).label == planned.label  # the planner's name of its pick
+    others = [c["mechanism"] for c in planned.candidates if c["strategy"] != planned.strategy.label]
+    _tamper(path, lambda d: d.update(label=others[0]))  # another candidate's name
+    assert "the plan was edited" in _refused(path, "label")
+    _tamper(path, lambda d: d.update(label=planned.strategy.label))
+    assert RunPlan.from_json(path).label == planned.strategy.label
+    named = _plan("given-noise").to_json(tmp_path / "named.json")
+    _tamper(named, lambda d: d.update(label="dpsgd"))  # a name that builds it (identity)
+    assert RunPlan.from_json(named).label == "dpsgd"
+    _tamper(named, lambda d: d.update(label="dpcgd:0.5"))  # a name that builds another C
+    _refused(named, "label")
+    _tamper(named, lambda d: d.update(label=str(tmp_path / "gone.json")))  # a file that is not there
+    assert RunPlan.from_json(named).label == "identity"
 
 
 def test_a_file_that_is_not_a_plan_is_refused(tmp_path):

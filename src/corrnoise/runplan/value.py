@@ -24,6 +24,7 @@ from typing import Any
 
 from ..accounting import (
     RUN_IDENTITY_KEYS,
+    BallsInBins,
     MechanismEvent,
     NoBatching,
     PrivacyResult,
@@ -34,7 +35,8 @@ from ..accounting import (
     run_mismatch,
 )
 from ..errors import CorrnoiseError, check_int, check_real
-from ..strategies import Strategy, load_mechanism, mechanism_fingerprint, save_mechanism
+from ..sampling import make_sampler
+from ..strategies import Strategy, load_mechanism, mechanism_fingerprint, parse_strategy, save_mechanism
 from ..strategies.io import read_json_document
 from .agreement import Agreement, refuse_non_guarantees, reproved_guarantee
 from .batching import SamplerSpec
@@ -238,11 +240,13 @@ def _load(doc: dict[str, Any], path: Path, progress: bool = True) -> RunPlan:
     guarantee = None if doc["guarantee"] is None else reproved_guarantee(
         _checked_guarantee(doc["guarantee"], event, delta), event, method, options, "corrnoise plan file", progress)
     epochs = doc.get("epochs")
-    plan = RunPlan(strategy, sampler, event, method, guarantee, sampler.num_examples, sampler.batch_size,
-                   None if epochs is None else check_real("epochs", epochs, low=0.0, low_open=True),
-                   check_int("steps_per_epoch", doc["steps_per_epoch"], minimum=1), delta,
-                   doc.get("accounting_method", "auto"), dict(options), str(doc.get("label", "")),
-                   doc.get("pipeline"), tuple(doc.get("candidates") or ()))
+    epochs = None if epochs is None else check_real("epochs", epochs, low=0.0, low_open=True)
+    candidates = tuple(doc.get("candidates") or ())
+    per_epoch = check_int("steps_per_epoch", doc["steps_per_epoch"], minimum=1)
+    _check_descriptions(doc, strategy, sampler, event, epochs, per_epoch, candidates)
+    plan = RunPlan(strategy, sampler, event, method, guarantee, sampler.num_examples, sampler.batch_size, epochs,
+                   per_epoch, delta, doc.get("accounting_method", "auto"), dict(options),
+                   _label(doc.get("label"), strategy, event, candidates), doc.get("pipeline"), candidates)
     method_of_noise = doc.get("noise_method", "auto")
     if method_of_noise not in ("auto", "regenerate"):
         raise CorrnoiseError("noise_method", f"must be 'auto' or 'regenerate', got {method_of_noise!r}")
@@ -252,6 +256,87 @@ def _load(doc: dict[str, Any], path: Path, progress: bool = True) -> RunPlan:
         raise CorrnoiseError("noise_multiplier", f"the plan says {recorded!r} but its noise_std and mechanism give "
                              f"{plan.noise_multiplier!r}")
     return plan
+
+
+# --- the descriptive fields: what a plan says about its content must be what the content is -------
+#: the message of a descriptive field that contradicts the plan's content
+_EDITED = "the plan was edited (plan again, or restore the field)"
+
+
+def _check_descriptions(doc, strategy: Strategy, sampler: SamplerSpec, event: MechanismEvent, epochs, per_epoch: int,
+                        candidates: tuple) -> None:
+    """Refuse (one line naming the field) a descriptive field of a plan file that contradicts its
+    content: ``mechanism.label`` (the mechanism file's own label), ``pipeline`` (a pipeline that
+    forms the plan's batches), ``epochs`` (a length that gives the plan's steps) and
+    ``steps_per_epoch`` (the loader pass those give). Found by a user probe: a plan edited to
+    ``pipeline: cyclic`` beside balls-in-bins batches, or to 10 epochs of 11 steps, was accepted
+    and reported as such. ``label`` is :func:`_label`'s."""
+    named = doc["mechanism"].get("label")
+    if named is not None and named != strategy.label:
+        raise CorrnoiseError("mechanism", f"the plan names {named!r} but its mechanism file holds {strategy.label} "
+                             f"(fingerprint {mechanism_fingerprint(strategy)[:16]}): {_EDITED}")
+    batching, steps = event.batching, event.steps
+    pipeline = doc.get("pipeline")
+    if pipeline is not None:  # None: planned with a ready sampler (or not recorded)
+        from ..pipelines import PIPELINES, pipeline_spec_heads
+
+        if pipeline not in PIPELINES or batching.head not in pipeline_spec_heads(pipeline):
+            raise CorrnoiseError("pipeline", f"the plan says {pipeline!r} but its batches are {batching.spec} "
+                                 f"({sampler.name or 'a ready sampler'}), which that pipeline does not form: {_EDITED}")
+    if epochs is not None and sampler.name is not None and not _gives_steps(sampler, epochs, steps):
+        raise CorrnoiseError("epochs", f"the plan says {epochs:g} epochs but its {sampler.name} sampler runs {steps} "
+                             f"steps on {sampler.num_examples} examples in batches of {sampler.batch_size}: {_EDITED}")
+    natural = batching.bins if isinstance(batching, BallsInBins) else max(1, round(sampler.num_examples /
+                                                                                   sampler.batch_size))
+    # plan_run: steps / epochs where epochs were given, else a natural epoch; a planner's pick is
+    # given in steps (plan_choice), so its pass stays the natural one
+    derived = {math.ceil(steps / float(epochs) - 1e-9)} if epochs is not None else {natural}
+    if candidates:
+        derived.add(natural)
+    if per_epoch not in derived:
+        raise CorrnoiseError("steps_per_epoch", f"the plan says {per_epoch} but its {steps} steps"
+                             f"{f' in {epochs:g} epochs' if epochs is not None else ''} give "
+                             f"{' or '.join(map(str, sorted(derived)))}: {_EDITED}")
+
+
+def _gives_steps(sampler: SamplerSpec, epochs: float, steps: int) -> bool:
+    """Whether ``epochs`` of this sampler's run is ``steps`` steps: as the sampler forms them
+    (:func:`corrnoise.sampling.make_sampler`), or whole epochs of N // B steps (the planner's)."""
+    if float(epochs).is_integer() and steps == int(epochs) * max(1, sampler.num_examples // sampler.batch_size):
+        return True
+    try:
+        return make_sampler(sampler.name, sampler.blocks, sampler.num_examples, sampler.batch_size, epochs=epochs,
+                            seed=0).steps == steps
+    except CorrnoiseError:
+        return False
+
+
+def _label(label: Any, strategy: Strategy, event: MechanismEvent, candidates: tuple) -> str:
+    """The plan's ``label`` (the mechanism as named, for people: what a run reports as its
+    mechanism) if it names this mechanism by content: the mechanism's own label, a name that
+    builds it (``dpsgd``, ``bsr:2``: same fingerprint) or the planner's name of the candidate the
+    plan trains (``bandmf:16``: its candidate of this mechanism, batching and noise). A mechanism
+    file's path that no longer reads as this mechanism gives way to the mechanism's own label;
+    any other name is refused in one line (a user probe relabelled a BandMF plan ``dpsgd``, and
+    training reported DP-SGD)."""
+    if label is None or label == "" or label == strategy.label:
+        return strategy.label
+    if not isinstance(label, str):
+        raise CorrnoiseError("label", f"must be a string, got {label!r}")
+    if any(isinstance(c, dict) and c.get("mechanism") == label and c.get("strategy") == strategy.label
+           and c.get("final") and c.get("batching") == event.batching.spec and c.get("noise_std") == event.noise_std
+           for c in candidates):
+        return label
+    fingerprint = mechanism_fingerprint(strategy)
+    try:
+        if mechanism_fingerprint(parse_strategy(label, event.steps)) == fingerprint:
+            return label
+    except CorrnoiseError:
+        pass
+    if label.endswith((".json", ".npy")):  # a file's path is a name, not an identity: the content's label
+        return strategy.label
+    raise CorrnoiseError("label", f"the plan says {label!r} but its mechanism is {strategy.label} (fingerprint "
+                         f"{fingerprint[:16]}), which {label!r} does not name: {_EDITED}")
 
 
 def _checked_guarantee(data: Any, event: MechanismEvent, delta: float) -> PrivacyResult:
