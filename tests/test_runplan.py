@@ -405,7 +405,42 @@ def test_a_monte_carlo_plan_file_is_verified_again_unless_the_cache_holds_its_gu
     assert RunPlan.from_json(path).guarantee.to_dict() == plan.guarantee.to_dict()
     assert calls == [(plan.noise_std, plan.guarantee.epsilon)]
     _tamper(path, lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] / 2))
-    assert "verification" in _refused(path, "verify")
+    assert "it was edited" in _refused(path, "guarantee")  # its record says otherwise: no verification needed
+    assert len(calls) == 1
+
+
+def _halve_epsilon(d):
+    d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] / 2, target_epsilon=d["guarantee"]["epsilon"] / 2)
+
+
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("change", [
+    lambda d: d["guarantee"].update(delta=d["guarantee"]["delta"] / 100),  # the probe: 1e-5 -> 1e-7
+    lambda d: d.update(delta=d["delta"] / 100) or d["guarantee"].update(delta=d["delta"]),
+    lambda d: d["guarantee"].update(epsilon=d["guarantee"]["epsilon"] / 2),
+    _halve_epsilon,  # consistently: the record cannot tell, a quick Monte Carlo screening can
+    lambda d: d["guarantee"].update(verified=False),
+    lambda d: d["guarantee"].update(samples=d["guarantee"]["samples"] // 10),
+    lambda d: d["guarantee"].update(delta_add=1.0),
+])
+def test_a_monte_carlo_plan_whose_fields_contradict_its_verification_is_refused_at_once(tmp_path, monkeypatch,
+                                                                                        planned, change):
+    """A user probe: a balls-in-bins plan whose guarantee delta was edited (1e-5 -> 1e-7, its
+    verification at ~1e-5 recorded beside it) started a 30-minute verification, silent under --json;
+    an edited epsilon failed that verification instead of being called edited. Fields that
+    contradict the recorded verification are refused at once, in one line, before any sampling
+    of a verification."""
+    from corrnoise.accounting import base, montecarlo
+
+    monkeypatch.setenv("CORRNOISE_CACHE", "off")
+    plan = plan_run(dataset_size=N, batch_size=B, mechanism="dpcgd" if planned else "dpcgd:0.5",
+                    batching="balls-in-bins", epsilon=2.0, delta=1e-3, epochs=2)
+    assert ("verified_delta" in plan.guarantee.extras) == planned
+    path = plan.to_json(tmp_path / "plan.json")
+    _tamper(path, change)
+    monkeypatch.setattr(base, "_PROVEN", set())  # as a new process
+    monkeypatch.setattr(montecarlo, "verify_privacy", lambda *a, **k: pytest.fail("verification started"))
+    assert "it was edited" in _refused(path, "guarantee")
 
 
 @pytest.mark.parametrize("noise", [{"noise_multiplier": 1.3}, {"noise_std": 2.0}])

@@ -228,15 +228,93 @@ def reproved_guarantee(guarantee: PrivacyResult, event: MechanismEvent, method: 
             raise CorrnoiseError("guarantee", f"{source} says epsilon {guarantee.epsilon:.6g} but its noise_std gives "
                                  f"{again.epsilon:.6g} ({method}): it was edited or made by other code")
         return note_proven(guarantee)
+    _check_verification_record(guarantee, source)
     if not _verified_in_cache(guarantee, event):
         from ..accounting.montecarlo import release_verified, verify_privacy
         from ..progress import LineProgress
 
+        _screen_epsilon(guarantee, event, source)
         release_verified(verify_privacy(event.mechanism.matrix(), event.batching.bins, event.noise_std,
                                         guarantee.epsilon, guarantee.delta,
                                         progress=LineProgress(f"{source}: verifying its guarantee") if progress
                                         else None))
     return note_proven(guarantee)
+
+
+def _check_verification_record(guarantee: PrivacyResult, source: str) -> None:
+    """Refuse at once (one line naming ``guarantee``) a Monte Carlo guarantee whose fields contradict
+    the verification it records (Estimate-Verify-Release, seed 000 Thm 2.1, 2.2): its delta is the
+    one verified (delta_v = selection_delta(delta, K) where the planner selected it among K), the
+    threshold delta_v / tau, the failure probability that of its samples at that threshold, the
+    fresh-sample delta_hat within the threshold, and its epsilon the calibration's target. Found by
+    a user probe: a plan whose guarantee delta was edited from 1e-5 to 1e-7 started a 30-minute
+    verification (silent under --json); an edited epsilon failed that verification instead of
+    being called edited. Fields the record lacks are not checked (the verification decides)."""
+    from ..accounting.montecarlo import failure_probability, selection_delta
+
+    ex, delta = guarantee.extras, guarantee.delta
+
+    def edited(what: str):
+        return CorrnoiseError("guarantee", f"{source}: {what}: it was edited")
+
+    def differs(a, b) -> bool:
+        return not math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+
+    if ex.get("verified") is not True:
+        raise edited(f"a Monte Carlo guarantee records verified={ex.get('verified')!r}")
+    verified_at = delta
+    if "verified_delta" in ex:
+        k = check_int("selection_verifications", ex.get("selection_verifications"), minimum=1)
+        verified_at = float(ex["verified_delta"])
+        if differs(verified_at, selection_delta(delta, k)):
+            raise edited(f"its delta {delta:g} is not what its verification at delta_v {verified_at:g} (one of {k}) "
+                         "stands for")
+    tau = ex.get("tau")
+    if tau is None:
+        return
+    tau = check_real("tau", tau, low=1.0, low_open=True)
+    threshold = ex.get("verify_threshold")
+    if threshold is not None and differs(threshold, verified_at / tau):
+        raise edited(f"its delta {delta:g} was verified at threshold {threshold:g}, not {verified_at:g} / tau = "
+                     f"{verified_at / tau:g}")
+    if ex.get("samples") is not None and ex.get("failure_probability") is not None:
+        fp = min(1.0, 2.0 * failure_probability(int(ex["samples"]), verified_at / tau, tau))
+        if differs(ex["failure_probability"], fp) or fp > verified_at:
+            raise edited(f"{ex['samples']} verification samples at delta {verified_at:g} give failure probability "
+                         f"{fp:.3g}, it records {ex['failure_probability']!r}")
+    for side in ("delta_add", "delta_remove"):
+        if ex.get(side) is not None and float(ex[side]) > verified_at / tau:
+            raise edited(f"its verification's {side} {ex[side]:g} exceeds delta / tau = {verified_at / tau:g}: it "
+                         "did not pass")
+    target = ex.get("target_epsilon")
+    if target is not None and differs(guarantee.epsilon, target):  # a Monte Carlo calibration lands on its target
+        raise edited(f"its epsilon {guarantee.epsilon:g} is not the {float(target):g} it was calibrated and "
+                     "verified for")
+
+
+#: the screening's samples (about a second) and the chance it refuses a true claim (Bernstein, below)
+_SCREEN_SAMPLES = 1 << 16
+_SCREEN_FAILURE = 1e-12
+
+
+def _screen_epsilon(guarantee: PrivacyResult, event: MechanismEvent, source: str) -> None:
+    """Before a fresh verification (~1e8 samples, up to half an hour): a small Monte Carlo
+    estimate of delta_remove at the claimed epsilon and noise (seed 000 Sec. 2, each term in
+    [0, 1]). If the claim held (delta_remove <= delta), Bernstein's inequality bounds the chance
+    that the mean of m terms exceeds delta + t by exp(-m t^2 / (2 (delta + t / 3))); t is set so
+    that chance is 1e-12, and an estimate above delta + t refuses the claim at once as edited
+    (a consistently edited epsilon: the record alone cannot tell). Nothing is released by passing:
+    the verification still decides."""
+    from ..accounting.montecarlo import estimate_delta
+
+    d, m = guarantee.delta, _SCREEN_SAMPLES
+    log_term = math.log(1.0 / _SCREEN_FAILURE)
+    t = (2.0 * log_term / 3.0 + math.sqrt((2.0 * log_term / 3.0) ** 2 + 8.0 * m * log_term * d)) / (2.0 * m)
+    est = estimate_delta(event.mechanism.matrix(), event.batching.bins, event.noise_std, guarantee.epsilon, m, seed=0)
+    if est.delta_remove > d + t:
+        raise CorrnoiseError("guarantee", f"{source}: epsilon {guarantee.epsilon:g} at noise_std "
+                             f"{event.noise_std:.6g} has delta_remove about {est.delta_remove:.3g} (Monte Carlo, {m} "
+                             f"samples), far above its delta {d:g}: it was edited")
 
 
 def _verified_in_cache(guarantee: PrivacyResult, event: MechanismEvent) -> bool:
