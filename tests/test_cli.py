@@ -72,6 +72,21 @@ def test_bad_matrices_via_the_console_script(tmp_path):
     assert proc.stderr.count("\n") == 1 and "matrix" in proc.stderr and "lower-triangular" in proc.stderr
 
 
+def test_python_m_corrnoise_is_the_console_script(tmp_path):
+    """``python -m corrnoise`` failed (no corrnoise/__main__.py): it runs the console script's entry
+    point (pyproject.toml [project.scripts]), exit codes and one-line errors included."""
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["corrnoise"] == "corrnoise.cli:main"
+    ok = subprocess.run([sys.executable, "-m", "corrnoise", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "Usage:" in ok.stdout and "plan" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "corrnoise", "train", "--dataset", "nope"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "dataset" in bad.stderr
+
+
 def test_mechanism_file_is_accepted_by_loss(capsys, tmp_path):
     from corrnoise.strategies import BLT, save_mechanism
 
