@@ -80,10 +80,17 @@ def test_python_m_corrnoise_is_the_console_script(tmp_path):
 
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["corrnoise"] == "corrnoise.cli:main"
-    ok = subprocess.run([sys.executable, "-m", "corrnoise", "--help"], capture_output=True, text=True)
+    import os
+
+    import corrnoise
+
+    # the package this test imports, also from another directory (a relative PYTHONPATH=src would not be)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(corrnoise.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    ok = subprocess.run([sys.executable, "-m", "corrnoise", "--help"], capture_output=True, text=True, env=env)
     assert ok.returncode == 0 and "Usage:" in ok.stdout and "plan" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "corrnoise", "train", "--dataset", "nope"], capture_output=True,
-                         text=True, cwd=tmp_path)
+                         text=True, cwd=tmp_path, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "dataset" in bad.stderr
 
 
