@@ -169,6 +169,28 @@ def test_plan_without_budget_is_unchanged_but_reports_bytes():
         assert c.noise_method == "auto" and c.noise_memory_bytes == c.memory_vectors * 1000 * 2
 
 
+def test_the_optimized_toeplitz_reports_the_buffers_it_keeps_and_regenerates_over_a_budget():
+    """The toeplitz design's memory_vectors and noise_cost are those of the method that trains it
+    (make_generator's "auto": a banded recurrence over its nonzero coefficients), and a budget its
+    buffers exceed switches it to regeneration. Found by a user probe: it reported 0 buffers while
+    training with 99, and a budget excluded it for 49 GB of buffers it said it did not keep."""
+    from corrnoise.planner import plan
+
+    setup = {**QUICK, "only": "toeplitz,dense"}
+    sized = plan(**setup, trainable_params=1000, **FAST)
+    toeplitz = next(c for c in sized.candidates if c.family == "toeplitz")
+    kept = noise_state_vectors(toeplitz.strategy, "auto")
+    assert kept > 0 and toeplitz.noise_method == "auto"
+    for c in sized.candidates:
+        assert c.memory_vectors == noise_state_vectors(c.strategy, c.noise_method), c.mechanism
+        assert c.noise_memory_bytes == c.memory_vectors * 1000 * 4
+    assert toeplitz.noise_cost == kept + 1  # one draw and one multiply-add per buffered row
+    tight = plan(**setup, trainable_params=1000, max_noise_memory=4000 * (kept - 1), **FAST)
+    toeplitz = next(c for c in tight.candidates if c.family == "toeplitz")
+    assert toeplitz.noise_method == "regenerate" and toeplitz.feasible and toeplitz.memory_vectors == 0
+    assert not tight.excluded and [e["candidate"] for e in tight.regenerated] == ["toeplitz"]
+
+
 def test_plan_excludes_past_the_regeneration_limit(monkeypatch):
     """Where regenerated noise is not offered (n above the limit) the buffered family is excluded."""
     from corrnoise.planner import budget, plan

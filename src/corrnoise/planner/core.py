@@ -73,11 +73,12 @@ delta_v = delta / (1 + MAX_FINALIZE * 1e-3) and the chosen one is stated at delt
 Numbers per candidate (docs/design.md conventions, unit clip norm, prefix workload):
 ``rms_error = noise_std ||A C^-1||_F / sqrt(n)``, ``max_error = noise_std max_t ||(A C^-1)[t]||``;
 ``memory_vectors`` = model-size noise vectors the streaming generator keeps between steps
-(:func:`corrnoise.noise.make_generator`'s choice: banded b - 1, BLT d, DP-SGD / DP-CGD /
-regenerated Toeplitz, dense and the plain tree 0, ``tree:ls`` the bit length of n - 1);
+(:func:`corrnoise.noise.make_generator`'s choice: banded b - 1 (the optimized Toeplitz: its nonzero
+coefficients less one), BLT d, DP-SGD / DP-CGD / regenerated Toeplitz, dense and the plain tree 0,
+``tree:ls`` the bit length of n - 1);
 ``noise_memory_bytes`` (given ``trainable_params``, and ``dtype``, default float32) = the noise state
 in bytes, :func:`corrnoise.noise_memory.noise_state_bytes`; under ``max_noise_memory`` a candidate
-over the budget is switched to regenerated noise (``noise_method = "regenerate"``: bandmf and blt for
+over the budget is switched to regenerated noise (``noise_method = "regenerate"``: bandmf, blt and toeplitz for
 n <= MAX_REGENERATE_N; same C and noise, no buffers, higher noise_cost) or else excluded, never
 calibrated (:mod:`.budget`; :attr:`PlanResult.excluded` / ``regenerated`` list them); ``noise_cost`` = R + A per step, R = model-size
 Gaussian draws and A = model-size multiply-adds, each counted as one randn (an upper bound: a

@@ -184,7 +184,7 @@ def _dpcgd_designs(ctx: _Context) -> Tasks:
     return tasks
 
 
-@design_family("toeplitz")
+@design_family("toeplitz", regenerable=True)
 def _toeplitz_designs(ctx: _Context) -> Tasks:
     n, part = ctx.n, ctx.part
     if not 2 <= n <= MAX_TOEPLITZ_N:
@@ -197,9 +197,13 @@ def _toeplitz_designs(ctx: _Context) -> Tasks:
                                                              "max_iterations": TOEPLITZ_MAX_ITERATIONS},
                                 lambda: optimize_banded_toeplitz(n, n, participation=part,
                                                                  max_iterations=TOEPLITZ_MAX_ITERATIONS))
-        (cost,) = cached_numbers(strat, "regenerate_cost",
-                                 lambda s: (_toeplitz_regenerate_cost(s.inverse_coefficients, n),), 1)
-        return _Design("toeplitz", "toeplitz", strat, 0, cost, ["none"], 0.0)
+        # what make_generator's "auto" keeps and costs: the banded recurrence of C's nonzero
+        # coefficients (as bandmf: b - 1 buffered rows, b per step); a budget it exceeds switches it
+        # to regeneration (budget._regenerate). Found by a user probe: it reported 0 buffers and the
+        # regenerated cost while training buffered, and a budget excluded it for the buffers it
+        # said it did not keep.
+        kept = int(strat.noise_stream().buffer_rows())
+        return _Design("toeplitz", "toeplitz", strat, kept, float(kept + 1), ["none"], 0.0)
     return [("toeplitz", toeplitz)]
 
 
