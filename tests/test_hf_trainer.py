@@ -260,6 +260,44 @@ def test_resumed_checkpoint_continues_the_noise_stream_and_the_sampler(tmp_path)
     assert math.isfinite(resumed.privacy_spent().epsilon)
 
 
+class _StopAt(transformers.TrainerCallback):
+    """Interrupts training after ``step`` steps (as a killed job would, after its checkpoint)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+@seeded
+def test_a_save_only_model_checkpoint_is_refused_by_a_private_resume(tmp_path):
+    """save_only_model=True saves models (allowed) but no optimizer.pt: resuming from such a
+    checkpoint would start the private optimizer again at step 0 while the Trainer's global step
+    goes on (found by a user probe: 4 private steps from step 0 after global step 4, the sampler's
+    first batches and the same noise rows again). Refused in one line, before any training."""
+    first = PrivateTrainer(model=_gpt2(), args=_args(tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4,
+                                                     save_only_model=True),
+                           train_dataset=_Texts(), privacy=PRIVACY, callbacks=[_StopAt(4)])
+    first.train()
+    checkpoint = os.path.join(tmp_path, "run", "checkpoint-4")
+    assert os.path.isfile(os.path.join(checkpoint, "model.safetensors"))
+    assert not os.path.exists(os.path.join(checkpoint, "optimizer.pt"))
+    resumed = _trainer(tmp_path / "run", max_steps=8, save_only_model=True)
+    before = _params(resumed.model)
+    with pytest.raises(CorrnoiseError) as err:
+        resumed.train(resume_from_checkpoint=checkpoint)
+    _one_line(err, "resume_from_checkpoint")
+    assert "save_only_model=True" in str(err.value) and "step 0" in str(err.value)
+    assert resumed.private_optimizer is None  # refused before the private optimizer was made
+    for name, p in _params(resumed.model).items():
+        assert torch.equal(p, before[name]), name
+    with pytest.raises(CorrnoiseError) as err:  # also as the latest checkpoint of output_dir
+        _trainer(tmp_path / "run", max_steps=8).train(resume_from_checkpoint=True)
+    _one_line(err, "resume_from_checkpoint")
+
+
 @seeded
 def test_a_lora_checkpoint_resumes_to_the_same_run(tmp_path):
     """With peft the Trainer's checkpoint holds the adapters only; resumed from it, the run ends

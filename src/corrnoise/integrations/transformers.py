@@ -55,6 +55,11 @@ What changes against the plain Trainer, and why:
   ``store_noise_seed=True`` resumes only with the original ``noise_seed`` passed again.
   The trainer works on a copy of ``args`` with ``ignore_data_skip`` on (the private loader itself
   starts at the checkpoint's step) and ``max_grad_norm`` 0; the caller's object is unchanged.
+  ``save_only_model=True`` is allowed (its checkpoints hold the model, for use as a model), but
+  such a checkpoint has no ``optimizer.pt`` and is refused by ``resume_from_checkpoint``, in one
+  line: resuming it would start the private optimizer again at step 0 (the sampler's first
+  batches and, with the same ``noise_seed``, the same noise rows again; without it, a second
+  run beyond the guarantee logged).
 * **Processes.** Under ``torchrun --nproc_per_node N`` (accelerate initializes the process group
   and wraps the model in DDP) the run is make_private's data parallel one: every rank draws the
   same logical batch from a sampler seed shared by rank 0 and trains on its share, the clipped
@@ -247,6 +252,8 @@ class PrivateTrainer(transformers.Trainer):
             if resume_from_checkpoint is None:
                 raise CorrnoiseError("resume_from_checkpoint", f"no checkpoint in {self.args.output_dir!r}")
         self._resume_dir = resume_from_checkpoint or None
+        if self._resume_dir is not None:
+            _refuse_checkpoint_without_privacy_state(self._resume_dir)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:  # also when interrupted: the model goes on as a plain one (its last planned step releases it too)
@@ -544,6 +551,26 @@ class PrivateSeq2SeqTrainer(PrivateTrainer, transformers.Seq2SeqTrainer):
     the same ``privacy=`` / ``plan=``; training is PrivateTrainer's (an encoder-decoder's per-example
     losses, its decoder inputs made from the labels), evaluation and prediction the Seq2SeqTrainer's
     (``predict_with_generate``, ``generation_max_length``, ``gen_kwargs``), which spend no privacy."""
+
+
+def _refuse_checkpoint_without_privacy_state(folder: str) -> None:
+    """One line refusing to resume from a checkpoint folder that holds no private optimizer state
+    (no ``optimizer.pt``, no per-rank state): ``save_only_model=True`` writes the model and the
+    Trainer's state only, and the Trainer would resume from it with a fresh private optimizer at
+    step 0 while its ``global_step`` goes on (found by a user probe: the sampler's first batches
+    drawn again, with the same ``noise_seed`` the same noise rows added again, without it a
+    second run composed beyond the logged epsilon). A folder that is not there is the
+    Trainer's to report."""
+    from transformers.trainer import OPTIMIZER_NAME
+
+    if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, OPTIMIZER_NAME)) \
+            or _checkpoint_world_size(folder) is not None:
+        return
+    raise CorrnoiseError("resume_from_checkpoint", f"{folder!r} holds no {OPTIMIZER_NAME}, the private optimizer's "
+                         "state (noise stream position, sampler seed, recent noise rows): it was saved with "
+                         "save_only_model=True, which keeps the model only, and resuming would start the noise and "
+                         "the sampler again at step 0; resume from a checkpoint saved without save_only_model, or "
+                         "train a new run from the start (a run of its own, accounted separately)")
 
 
 def rank_state_file(folder: str, rank: int, world_size: int) -> str:
