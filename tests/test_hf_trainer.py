@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -297,6 +299,41 @@ def test_a_save_only_model_checkpoint_is_refused_by_a_private_resume(tmp_path):
         _trainer(tmp_path / "run", max_steps=8).train(resume_from_checkpoint=True)
     _one_line(err, "resume_from_checkpoint")
 
+
+class _MovesTheStep(transformers.TrainerCallback):
+    """A callback that moves the Trainer's step counter (off the private optimizer's count)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            state.global_step += 1
+
+
+@seeded
+def test_the_trainers_global_step_is_the_private_optimizers_steps_taken(tmp_path):
+    """At a resume and at every step, state.global_step must be the number of noise rows the
+    private optimizer released: a checkpoint whose trainer state says step 1 while its optimizer
+    state is at step 2 (files from other steps), or a callback that moves the step, is refused
+    in one line before the next step trains."""
+    _trainer(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2).train()
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tmp_path / "run" / "checkpoint-2", mixed)
+    state = json.loads((mixed / "trainer_state.json").read_text())
+    state["global_step"] = 1
+    (mixed / "trainer_state.json").write_text(json.dumps(state))
+    resumed = _trainer(tmp_path / "run", max_steps=4)
+    with pytest.raises(CorrnoiseError) as err:
+        resumed.train(resume_from_checkpoint=str(mixed))
+    _one_line(err, "resume_from_checkpoint")
+    assert "global step is 1" in str(err.value) and "released 2 noise row(s)" in str(err.value)
+    assert resumed.private_optimizer.steps_taken == 2  # nothing trained after the checkpoint's state
+
+    moved = PrivateTrainer(model=_gpt2(), args=_args(tmp_path / "moved", max_steps=4), train_dataset=_Texts(),
+                           privacy=PRIVACY, callbacks=[_MovesTheStep()])
+    with pytest.raises(CorrnoiseError) as err:
+        moved.train()
+    _one_line(err, "global_step")
+    assert "global step is 2" in str(err.value) and "released 1 noise row(s)" in str(err.value)
+    assert moved.private_optimizer.steps_taken == 1
 
 @seeded
 def test_a_lora_checkpoint_resumes_to_the_same_run(tmp_path):

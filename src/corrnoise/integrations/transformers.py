@@ -59,7 +59,9 @@ What changes against the plain Trainer, and why:
   such a checkpoint has no ``optimizer.pt`` and is refused by ``resume_from_checkpoint``, in one
   line: resuming it would start the private optimizer again at step 0 (the sampler's first
   batches and, with the same ``noise_seed``, the same noise rows again; without it, a second
-  run beyond the guarantee logged).
+  run beyond the guarantee logged). At every resume and every step the Trainer's
+  ``state.global_step`` must be the private optimizer's ``steps_taken`` (the noise rows
+  released); a mismatch is refused in one line.
 * **Processes.** Under ``torchrun --nproc_per_node N`` (accelerate initializes the process group
   and wraps the model in DDP) the run is make_private's data parallel one: every rank draws the
   same logical batch from a sampler seed shared by rank 0 and trains on its share, the clipped
@@ -227,6 +229,7 @@ class PrivateTrainer(transformers.Trainer):
         self._micro_loss: torch.Tensor | None = None
         self.add_callback(_ReleasedUpdateNorm(self))
         self.add_callback(_NoRawGradientSync(self))
+        self.add_callback(_StepsAreNoiseRows(self))
 
     # --- the run --------------------------------------------------------------------------------
     @property
@@ -614,6 +617,39 @@ class _NoRawGradientSync(transformers.TrainerCallback):
         if isinstance(wrapped, DistributedDataParallel):
             wrapped.require_backward_grad_sync = False  # what no_sync() does, for the whole run
             wrapped.require_forward_param_sync = False
+
+
+class _StepsAreNoiseRows(transformers.TrainerCallback):
+    """The Trainer's ``state.global_step`` is the private optimizer's ``steps_taken`` (the noise
+    rows released) when training begins (also resumed) and at the start and end of every step:
+    any path that let them part (a checkpoint whose files come from other steps, a callback that
+    moves the step) would train steps the private optimizer does not count, or count them again
+    (the save_only_model resume did: global step 8 after 4 private steps from step 0). Refused
+    in one line before the step's batch is trained."""
+
+    def __init__(self, trainer: PrivateTrainer):
+        self.trainer = trainer
+
+    def _check(self, state, when: str) -> None:
+        private = self.trainer.private_optimizer
+        if private is None or state.global_step == private.steps_taken:
+            return
+        resuming = when == "begin" and self.trainer._resume_dir is not None
+        param = "resume_from_checkpoint" if resuming else "global_step"
+        where = f"the checkpoint {self.trainer._resume_dir!r} says" if resuming else f"at the {when} of a step,"
+        raise CorrnoiseError(param, f"{where} the Trainer's global step is {state.global_step} but the private "
+                             f"optimizer has released {private.steps_taken} noise row(s): each optimizer step is one "
+                             "noise row and one sampled batch, so the two must agree (resume from a checkpoint a "
+                             "PrivateTrainer saved whole, and leave state.global_step to the Trainer)")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._check(state, "begin")
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._check(state, "start")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._check(state, "end")
 
 
 class _ReleasedUpdateNorm(transformers.TrainerCallback):
