@@ -119,6 +119,10 @@ def test_gradient_accumulation_gives_the_update_of_the_whole_logical_batch(tmp_p
     assert whole.private_optimizer.steps_taken == cut.private_optimizer.steps_taken == cut.state.global_step == 3
     for name, p in _params(cut.model).items():
         torch.testing.assert_close(p, _params(whole.model)[name], **TOL, msg=name)
+    # the logged loss is each step's mean over its examples, however the step is cut (an empty
+    # micro-batch halved it before)
+    logged = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (whole, cut)]
+    assert len(logged[0]) == 3 and logged[1] == pytest.approx(logged[0], rel=1e-3)
 
 
 @seeded

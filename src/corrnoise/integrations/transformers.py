@@ -227,6 +227,7 @@ class PrivateTrainer(transformers.Trainer):
         # and compute_loss's unit gradient undoes it); the logged loss is training_step's
         self.loss_is_scaled_for_ga = True
         self._micro_loss: torch.Tensor | None = None
+        self._step_loss: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (sum, examples, returned)
         self.add_callback(_ReleasedUpdateNorm(self))
         self.add_callback(_NoRawGradientSync(self))
         self.add_callback(_StepsAreNoiseRows(self))
@@ -372,8 +373,10 @@ class PrivateTrainer(transformers.Trainer):
                                  "its batches are the accounted ones")
         context = self.private_optimizer.context
         context.current_step, context.size, context.mask, context.more_micro_batches, context.micro_batch = micro
+        if micro.index == 0:
+            self._step_loss = (torch.zeros((), device=self.args.device), 0, torch.zeros((), device=self.args.device))
         if micro.size == 0:
-            loss = torch.zeros((), device=self.args.device)
+            loss = None
         else:
             if self._check_attribution_on and not self.private_optimizer.attribution_checked:
                 self._check_attribution(model, inputs)  # waits (None) while the micro-batch has fewer than 2
@@ -386,7 +389,20 @@ class PrivateTrainer(transformers.Trainer):
             loss = self._micro_loss  # the micro-batch's mean loss, however the Trainer scaled what it returns
         if micro.more:
             self.private_optimizer.step()  # mid logical batch: keeps the clipped sum, adds no noise
-        return loss / self.args.gradient_accumulation_steps  # logged loss: the step's, as the Trainer's
+        return self._logged_loss(loss, micro.size)
+
+    def _logged_loss(self, loss: torch.Tensor | None, size: int) -> torch.Tensor:
+        """What this micro-batch adds to the Trainer's logged loss (it sums a step's returns): the
+        change of the step's mean per-example loss so far, so that the step's returns add up to the
+        mean over its examples however its micro-batches are cut. Found by a user probe: each
+        micro-batch's mean divided by the accumulation steps halved a step's loss whose Poisson batch
+        left one micro-batch empty (4.629 logged beside 2.3145 for the same update)."""
+        total, count, returned = self._step_loss
+        if loss is not None and size:
+            total, count = total + loss.detach() * size, count + size
+        mean = total / count if count else total
+        self._step_loss = (total, count, mean)
+        return mean - returned
 
     def _check_attribution(self, model, inputs) -> None:
         """Before the forward of the first micro-batch of at least 2 examples (also of a resumed
