@@ -166,3 +166,24 @@ def test_round_trip_across_processes_through_torch_save(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "resumed" in out.stdout
+
+
+def test_a_planned_run_resumed_with_another_pick_says_to_resume_from_its_saved_plan():
+    """A planned family can come out another design when planned again (a user probe's mechanism="blt"
+    picked d = 1, 2 or 4 with the cache off): the refusal says to plan once and pass plan=. A named
+    mechanism's refusal does not (its mechanism is the caller's)."""
+    named_model, named, _ = _build(noise_seed=4, mechanism="bsr:3")
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).double()
+    data = TensorDataset(torch.randn(40, 5, dtype=torch.float64), torch.randint(0, 3, (40,)))
+    model, planned, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.2), DataLoader(data, batch_size=10),
+                                     epsilon=4.0, delta=1e-5, epochs=2, max_grad_norm=0.5, mechanism="dpcgd",
+                                     batching="cyclic", noise_seed=4)
+    with pytest.raises(CorrnoiseError) as err:
+        planned.load_state_dict(named.state_dict())
+    assert err.value.param == "mechanism" and "\n" not in str(err.value)
+    assert "was the planner's pick" in str(err.value) and "pass plan=" in str(err.value)
+    _, other, _ = _build(noise_seed=4, mechanism="bsr:2")
+    with pytest.raises(CorrnoiseError) as err:
+        other.load_state_dict(named.state_dict())
+    assert err.value.param == "mechanism" and "planner" not in str(err.value)

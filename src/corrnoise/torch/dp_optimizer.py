@@ -445,8 +445,15 @@ class DPOptimizer(torch.optim.Optimizer):
             raise CorrnoiseError("state", "the checkpoint does not identify its mechanism (no fingerprint: saved "
                                  "before corrnoise 0.2); its noise rows cannot be checked to be this run's")
         if saved_mechanism != mechanism_fingerprint(self.strategy):
+            # a planned family ('auto', 'blt') can come out another design when planned again (its
+            # Monte Carlo screening, an emptied cache): a user probe's resumes were refused so
+            # without saying what to do
+            planned = self.plan is not None and bool(self.plan.candidates)
+            hint = (f"; this run's {self.strategy.label} was the planner's pick, which can differ when it plans again: "
+                    "plan once, save it (RunPlan.to_json, corrnoise plan --plan-out) and pass plan= to the first "
+                    "run and to every resume") if planned else ""
             raise CorrnoiseError("mechanism", "differs from the checkpoint's (another C: its noise rows and its "
-                                 "guarantee are not this run's); resume with the checkpoint's mechanism")
+                                 f"guarantee are not this run's); resume with the checkpoint's mechanism{hint}")
         if state.get("batching", self.batching.spec) != self.batching.spec:
             raise CorrnoiseError("batching", f"the checkpoint's run used {state['batching']} batching, this run "
                                  f"{self.batching.spec}")
