@@ -187,3 +187,20 @@ def test_a_planned_run_resumed_with_another_pick_says_to_resume_from_its_saved_p
     with pytest.raises(CorrnoiseError) as err:
         other.load_state_dict(named.state_dict())
     assert err.value.param == "mechanism" and "planner" not in str(err.value)
+
+
+def test_a_resume_with_another_epsilon_names_the_calibrated_target():
+    """An analytically calibrated run resumed from a checkpoint of another epsilon: the refusal says
+    the noise was calibrated to this run's target (it said "given, not calibrated", a user probe)."""
+    def run(epsilon):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3).double()
+        data = TensorDataset(torch.randn(40, 5, dtype=torch.float64), torch.randint(0, 3, (40,)))
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=0.2), DataLoader(data, batch_size=10),
+                            epsilon=epsilon, delta=1e-5, steps=STEPS, max_grad_norm=0.5, mechanism="bsr:2",
+                            batching="cyclic", noise_seed=4)[1]
+
+    with pytest.raises(CorrnoiseError) as err:
+        run(8.0).load_state_dict(run(4.0).state_dict())
+    assert err.value.param == "state" and "\n" not in str(err.value)
+    assert "calibrated (gaussian) to (8, 1e-05)" in str(err.value) and "given" not in str(err.value)

@@ -383,8 +383,13 @@ class DPOptimizer(torch.optim.Optimizer):
         if saved_noise_std is None or math.isclose(float(saved_noise_std), self.noise_std, rel_tol=1e-12, abs_tol=0.0):
             return None
         mine = self.calibration
-        why = "this run's noise was given (noise_std, noise_multiplier or guarantee), not calibrated" if mine is None \
-            or mine.method != "mc" else None
+        why = None
+        if mine is None:
+            why = "this run's noise was given (noise_std, noise_multiplier or guarantee), not calibrated"
+        elif mine.method != "mc":  # analytic calibration is deterministic: another target (found said as "given")
+            why = (f"this run's noise was calibrated ({mine.method}) to ({mine.epsilon:g}, {self.delta:g}), which gives "
+                   "the same noise for the same run every time, so the checkpoint's run had another target (epsilon, "
+                   "delta, steps or plan): resume with the checkpoint's")
         result = None
         if why is None:
             if not isinstance(saved, dict):
