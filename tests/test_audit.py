@@ -303,7 +303,15 @@ def test_cli_audit_prints_the_contract_fields(capsys):
     assert d["kind"] == "lower_bound" and d["runs"] == 20 and d["epsilon_lower"] <= d["epsilon_guarantee"]
     assert d["canaries"] == 64 and d["trials"] == 20 * 64  # --per-run 64 by default: a trial per canary
     assert d["gdp_estimate"]["kind"] == "estimate"
-    for argv, param in ((["audit", "--epsilon", "2"], "white-box"),
+    # white-box is the default (the many-run audit's only kind): the same audit without the flag
+    assert main(["audit", "--mechanism", "bsr:4", "--epsilon", "8", "--runs", "20", "--json"]) == 0
+    again = json.loads(capsys.readouterr()[0])
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in d.items() if k != "seconds"}
+    for argv, param in ((["audit", "--epsilon", "2", "--white-box", "--black-box"], "white-box"),
+                        # numbers first, named by their flag (they were answered with the --white-box error)
+                        (["audit", "--epsilon", "-2"], "epsilon"), (["audit", "--epsilon", "2", "--runs", "0"], "runs"),
+                        (["audit", "--epsilon", "2", "--confidence", "1.5"], "confidence"),
+                        (["audit", "--epsilon", "2", "--audit-delta", "0"], "audit-delta"),
                         (["audit", "--epsilon", "2", "--white-box", "--canaries", "5", "--runs", "3"], "runs"),
                         (["audit", "--epsilon", "2", "--white-box", "--per-run", "0"], "per-run")):
         assert main(argv) == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..errors import CorrnoiseError
+from ..errors import CorrnoiseError, check_int, check_real
 from ..pipelines import BATCHINGS
 from .report import emit
 
@@ -31,7 +31,8 @@ FIRST = ("kind", "epsilon_lower", "epsilon_guarantee", "delta", "confidence", "m
 @click.option("--per-run", "per_run", type=int, default=64, show_default=True,
               help="Many-run: canaries in each small run, each its own trial (dead coordinates, independent "
                    "noise; all at a worst-case position); 1 = one canary a run.")
-@click.option("--white-box", "white_box", is_flag=True, help="Gradient canaries scored from the released updates.")
+@click.option("--white-box", "white_box", is_flag=True,
+              help="Gradient canaries scored from the released updates (the default).")
 @click.option("--black-box", "black_box", is_flag=True,
               help="Input canaries (random inputs, random labels) scored by their loss under the final model "
                    "(one-run only).")
@@ -51,9 +52,11 @@ def audit_command(dataset, mechanism, batching, epsilon, delta, plan_file, audit
                   white_box, black_box, score, examples, batch_size, epochs, confidence, seed, plot, as_json):
     """Train runs of the setup with canaries and report a lower bound on its epsilon (kind
     lower_bound, valid at --confidence) beside its guarantee."""
-    if white_box == black_box:
+    if white_box and black_box:
         raise CorrnoiseError("white-box", "pass --white-box (gradient canaries) or --black-box (input canaries scored "
-                             "by loss), one of them")
+                             "by loss), not both")
+    white_box = not black_box  # the default: the many-run audit's only kind, the one-run audit's tighter one
+    _check_numbers(epsilon, delta, audit_delta, runs, confidence)
     if plot is not None and not str(plot).lower().endswith(".png"):
         raise CorrnoiseError("plot", f"must be a .png file, got {plot!r}")
     if canaries < 1:
@@ -78,6 +81,18 @@ def audit_command(dataset, mechanism, batching, epsilon, delta, plan_file, audit
         plot_scores(result, plot)
         data["plot"] = str(plot)
     emit(data, as_json, title)
+
+
+def _check_numbers(epsilon, delta, audit_delta, runs, confidence) -> None:
+    """Each number option in one line naming its flag, before the kind of audit is looked at (a user
+    probe: --epsilon -2, --runs 0 or --confidence 1.5 were answered with the --white-box error)."""
+    if epsilon is not None:
+        check_real("epsilon", epsilon, low=0.0, low_open=True)
+    for name, value in (("delta", delta), ("audit-delta", audit_delta), ("confidence", confidence)):
+        if value is not None:
+            check_real(name, value, low=0.0, high=1.0, low_open=True, high_open=True)
+    if runs is not None:
+        check_int("runs", runs, minimum=1)
 
 
 def _check_score(score, white_box, canaries) -> None:
