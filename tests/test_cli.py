@@ -160,3 +160,16 @@ def test_cli_errors_name_the_option_given(capsys, args, param):
     code = main(args)
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(f"error: {param}: ") and "\n" not in err
+
+
+def test_a_planner_name_outside_a_planned_run_and_the_epochs_help_say_what_is_taken(capsys):
+    """``account bandmf:8`` pointed to ``bandmf``, which account refuses (it plans no run); the help of
+    ``plan --epochs`` said FLOAT where the planner takes whole epochs (both found by a user probe)."""
+    assert main(["account", "bandmf:8", "--n", "100", "--batching", "none", "--sigma", "1", "--delta", "1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "where a run is planned" in err and "corrnoise optimize banded" in err
+    from click.testing import CliRunner
+
+    from corrnoise.cli import cli
+
+    assert "--epochs INTEGER" in CliRunner().invoke(cli, ["plan", "--help"]).output

@@ -32,7 +32,7 @@ from .report import finite_json
 @click.option("--dataset-size", "dataset_size", type=int, default=None, help="Number of training examples N.")
 @click.option("--batch-size", "batch_size", type=int, default=None, help="(Expected) batch size B.")
 @click.option("--steps", "steps", type=int, default=None, help="Number of steps n (instead of N and B).")
-@click.option("--epochs", "epochs", type=float, required=True,
+@click.option("--epochs", "epochs", type=float, required=True, metavar="INTEGER",
               help="Epochs K (passes over the data; the planner plans whole epochs).")
 @click.option("--epsilon", "epsilon", type=float, required=True, help="Target epsilon.")
 @click.option("--delta", "delta", type=float, required=True, help="Target delta, in (0, 1).")

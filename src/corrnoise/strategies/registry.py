@@ -61,9 +61,10 @@ def parse_strategy(name: str, n: int) -> Strategy:
                                  "(corrnoise plan --out DIR writes their mechanism files; mechanism 'blt' plans one)")
         return BLT(parse_floats("alpha", a), parse_floats("lambda", lam), n)
     if head == "bandmf" and rest:
-        raise CorrnoiseError("mechanism", f"{name!r} is the planner's name for a BandMF it optimizes for a run: pass "
-                             "mechanism 'bandmf' (the planner's best), or the file of corrnoise plan --out DIR, or "
-                             "optimize it (corrnoise optimize banded); bsr:B is the closed-form banded square root")
+        raise CorrnoiseError("mechanism", f"{name!r} is the planner's name for a BandMF it optimizes for a run: where a "
+                             "run is planned (make_private, corrnoise train / plan) pass mechanism 'bandmf' (the planner's "
+                             "best); elsewhere the file of corrnoise plan --out DIR, or optimize it (corrnoise optimize "
+                             "banded); bsr:B is the closed-form banded square root")
     if head == "matrix" and rest:
         return Dense(_load_npy(rest)).with_n(n)
     if name.endswith(".json") or Path(name).is_file():
