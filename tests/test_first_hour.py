@@ -93,6 +93,10 @@ def test_a_batch_larger_than_the_dataset_names_batch_size():
         _private(batch=200, n=100, mechanism="bsr:4")
     _one_line(err, "batch_size")
     assert "larger than the dataset (100 examples)" in str(err.value)
+    with pytest.raises(CorrnoiseError) as err:  # it said "use a batch of at most 0"
+        _private(batch=10, n=0)
+    _one_line(err, "data_loader")
+    assert "the dataset is empty" in str(err.value)
 
 
 def test_the_opacus_adapter_without_epochs_asks_for_the_run_length():

@@ -175,6 +175,8 @@ def check_run_size(num_examples: int, batch_size, epochs, steps) -> None:
     (``epochs`` or ``steps``); else one line naming the parameter (before anything
     is built from them: a mechanism for 0 steps would report its own, unhelpful, limit)."""
     b = check_int("batch_size", batch_size, minimum=1)
+    if num_examples == 0:  # "use a batch of at most 0" said it before (a user probe)
+        raise CorrnoiseError("data_loader", "the dataset is empty (len() is 0): there is nothing to train on")
     if b > num_examples:
         raise CorrnoiseError("batch_size", f"{b} is larger than the dataset ({num_examples} examples); use a batch of "
                              f"at most {num_examples}")

@@ -189,7 +189,7 @@ def _check_bands(n, bands) -> tuple[int, int]:
     n = check_int("n", n, minimum=1)
     bands = check_int("bands", bands, minimum=1)
     if bands > n:
-        raise CorrnoiseError("bands", f"must be <= n = {n}, got {bands}")
+        raise CorrnoiseError("bands", f"must be <= n = {n} (the number of steps), got {bands}")
     return n, bands
 
 
