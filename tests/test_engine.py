@@ -305,6 +305,21 @@ def test_refuses_batchnorm_and_bad_input():
         eng.module(torch.randn(3, 2))
 
 
+@pytest.mark.parametrize("make", [lambda: nn.Embedding(20, 4, max_norm=1.0),
+                                  lambda: nn.EmbeddingBag(20, 4, max_norm=1.0)], ids=["Embedding", "EmbeddingBag"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_refuses_embedding_with_max_norm(make, frozen):
+    """max_norm renormalizes the looked-up rows of the table in place from the raw batch, outside
+    the mechanism: the table would show which tokens occur (rows never looked up keep their norms)."""
+    emb = make().requires_grad_(not frozen)
+    model = nn.Sequential(nn.Sequential(emb), nn.Linear(4, 3))
+    with pytest.raises(CorrnoiseError, match=r"^module: '0\.0' \(Embedding(Bag)? with max_norm=1\.0\).*"
+                       r"in place.*max_norm=None") as e:
+        ClippingEngine(model)
+    assert "\n" not in str(e.value)
+    ClippingEngine(nn.Sequential(nn.Sequential(nn.Embedding(20, 4)), nn.Linear(4, 3)))  # without max_norm: accepted
+
+
 def test_huge_gradient_is_clipped():
     model = nn.Linear(5, 3)
     x = torch.randn(6, 5)

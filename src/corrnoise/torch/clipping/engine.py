@@ -51,7 +51,9 @@ whenever ``verify=True``) the unclipped sum of the captured per-example gradient
 with the gradient autograd accumulated, which catches a parameter also used outside its
 owner's forward (e.g. ``F.linear(x, emb.weight)`` in a parent module) or a non-deterministic
 fallback layer. Layers that mix examples (BatchNorm, SyncBatchNorm, Embedding with
-``scale_grad_by_freq``, MultiheadAttention with ``batch_first=False``) are refused at attach.
+``scale_grad_by_freq``, MultiheadAttention with ``batch_first=False``) are refused at attach, and so
+are those that rewrite their own state from the raw batch (Embedding / EmbeddingBag with
+``max_norm``: rows renormalized in place).
 
 Indices shared by the batch. transformers calls its position embeddings (GPT-2's ``wpe``,
 BERT's ``position_embeddings``) with ids of shape (1, L), added to every example. An Embedding
@@ -210,6 +212,13 @@ def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
         return f"'{name}' ({type(m).__name__}) mixes examples (batch statistics); replace it with GroupNorm or LayerNorm"
     if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
         return f"'{name}' (Embedding with scale_grad_by_freq=True) mixes examples; set scale_grad_by_freq=False"
+    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+        # F.embedding(max_norm=...) renormalizes the looked-up rows of the table in place, under
+        # no_grad, from the raw batch: the published table shows which rows the data touched (frozen
+        # or not: the rows are rewritten either way)
+        return (f"'{name}' ({type(m).__name__} with max_norm={m.max_norm}) rescales the rows the batch looks up in "
+                "place, from the raw data, outside the private mechanism (the table would reveal which tokens "
+                "occur); set max_norm=None")
     if isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and not m.batch_first:
         return f"'{name}' ({type(m).__name__}) needs batch_first=True (per-example gradients map over dim 0)"
     return None
