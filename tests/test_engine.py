@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -291,6 +292,10 @@ def test_refuses_batchnorm_and_bad_input():
     assert "\n" not in str(e.value)
     with pytest.raises(CorrnoiseError, match="SyncBatchNorm"):
         ClippingEngine(nn.Sequential(nn.SyncBatchNorm(4)))
+    with pytest.raises(CorrnoiseError, match=r"'0' \(InstanceNorm2d with track_running_stats=True\).*"
+                       r"track_running_stats=False$"):
+        ClippingEngine(nn.Sequential(nn.InstanceNorm2d(4, affine=True, track_running_stats=True)))
+    ClippingEngine(nn.Sequential(nn.InstanceNorm2d(4, affine=True)))  # without running statistics: accepted
     with pytest.raises(CorrnoiseError, match="batch_first"):
         ClippingEngine(nn.MultiheadAttention(4, 2))
     with pytest.raises(CorrnoiseError, match="^loss_reduction"):
@@ -318,6 +323,73 @@ def test_refuses_embedding_with_max_norm(make, frozen):
         ClippingEngine(model)
     assert "\n" not in str(e.value)
     ClippingEngine(nn.Sequential(nn.Sequential(nn.Embedding(20, 4)), nn.Linear(4, 3)))  # without max_norm: accepted
+
+
+class _RunningMean(nn.Module):
+    """A custom layer that keeps a running mean of its input in a buffer, as BatchNorm does."""
+
+    def __init__(self, persistent=True):
+        super().__init__()
+        self.register_buffer("mu", torch.zeros(4), persistent=persistent)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mu.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.lin(x - self.mu)
+
+
+def test_refuses_a_buffer_changed_from_the_batch_in_forward():
+    """A buffer updated in place from the input during a forward with gradients on is computed
+    from the raw batch without noise and published in the state_dict: refused in one line naming
+    it, on the first batch. A non-persistent one is not saved: warned once. Evaluation under
+    no_grad is not checked; a forward that changes no buffer is accepted."""
+    model = nn.Sequential(_RunningMean())
+    eng = ClippingEngine(model)
+    with pytest.raises(CorrnoiseError, match=r"^model: buffer '0\.mu' was changed during a forward") as e:
+        model(torch.randn(5, 4))
+    assert "\n" not in str(e.value)
+    eng.detach()
+    model.eval()  # the module's own rule: no update in eval mode
+    eng = ClippingEngine(model)
+    model(torch.randn(5, 4)).sum().backward()
+    eng.clipped_sum(5)
+    eng.detach()
+
+    model = nn.Sequential(_RunningMean())
+    model[0].corrnoise_public_buffers = ("mu",)  # the escape hatch (for a buffer that does not read the data)
+    eng = ClippingEngine(model)
+    model(torch.randn(5, 4)).sum().backward()
+    eng.detach()
+
+    model = nn.Sequential(_RunningMean(persistent=False))
+    eng = ClippingEngine(model)
+    with pytest.warns(RuntimeWarning, match=r"buffer '0\.mu' \(not in the state_dict\) was changed"):
+        model(torch.randn(5, 4)).sum().backward()
+    eng.clipped_sum(5)
+    eng.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per buffer
+        model(torch.randn(5, 4)).sum().backward()
+    eng.detach()
+
+    class Frozen(nn.Module):  # a frozen parameter rewritten from the batch (what Embedding's max_norm did)
+        def __init__(self):
+            super().__init__()
+            self.lin, self.scale = nn.Linear(4, 3), nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.scale.copy_(x.abs().amax(0))
+            return self.lin(x / self.scale)
+
+    model = Frozen()
+    eng = ClippingEngine(model)
+    with torch.no_grad():
+        model(torch.randn(5, 4))  # not training
+    with pytest.raises(CorrnoiseError, match=r"^model: parameter 'scale' was changed"):
+        model(torch.randn(5, 4))
 
 
 def test_huge_gradient_is_clipped():
@@ -955,7 +1027,10 @@ def test_a_2d_attention_mask_is_shared_even_when_its_length_equals_the_batch():
 
 
 class _Counting(nn.Module):
-    """A layer without a rule that updates a buffer in its forward."""
+    """A layer without a rule that updates a buffer in its forward (a counter: declared public, so
+    that the engine's check of buffers changed in a forward lets it through)."""
+
+    corrnoise_public_buffers = ("calls",)
 
     def __init__(self):
         super().__init__()

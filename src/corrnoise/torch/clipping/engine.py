@@ -53,7 +53,10 @@ owner's forward (e.g. ``F.linear(x, emb.weight)`` in a parent module) or a non-d
 fallback layer. Layers that mix examples (BatchNorm, SyncBatchNorm, Embedding with
 ``scale_grad_by_freq``, MultiheadAttention with ``batch_first=False``) are refused at attach, and so
 are those that rewrite their own state from the raw batch (Embedding / EmbeddingBag with
-``max_norm``: rows renormalized in place).
+``max_norm``: rows renormalized in place; InstanceNorm with ``track_running_stats``). Any other
+buffer or frozen parameter that a forward with gradients on changes is refused (in the state_dict)
+or warned of (a non-persistent buffer) when that forward returns
+(:meth:`ClippingEngine._check_state_unchanged`).
 
 Indices shared by the batch. transformers calls its position embeddings (GPT-2's ``wpe``,
 BERT's ``position_embeddings``) with ids of shape (1, L), added to every example. An Embedding
@@ -210,6 +213,10 @@ def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
                 "prefix is computed for it)")
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         return f"'{name}' ({type(m).__name__}) mixes examples (batch statistics); replace it with GroupNorm or LayerNorm"
+    if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats:
+        return (f"'{name}' ({type(m).__name__} with track_running_stats=True) updates running_mean / running_var from "
+                "the raw batches, outside the private mechanism, and they are published in the state_dict; set "
+                "track_running_stats=False")
     if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
         return f"'{name}' (Embedding with scale_grad_by_freq=True) mixes examples; set scale_grad_by_freq=False"
     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
@@ -376,6 +383,8 @@ class ClippingEngine:
         # "flattened": a multiple-choice model's position embedding), and those the running check saw
         self._indices_verified: set[nn.Module] = set()
         self._indices_seen: set[nn.Module] = set()
+        self._state_before: dict[str, tuple[int, int, bool]] | None = None  # buffers' versions at this forward's start
+        self._state_warned: set[str] = set()  # non-persistent buffers warned of (:meth:`_check_state_unchanged`)
         self._take_over(module)
         self._handles = [module.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
                          module.register_forward_hook(self._root_hook, with_kwargs=True)]
@@ -494,15 +503,73 @@ class ClippingEngine:
     def _root_pre_hook(self, m: nn.Module, args, kwargs):
         """Each forward of the model (not a checkpointed block's recomputation during backward)
         guesses the batch of shared indices afresh: a forward of another batch before it (an
-        evaluation with gradients on, between steps) does not decide its expansion."""
+        evaluation with gradients on, between steps) does not decide its expansion. The model's
+        buffers and frozen parameters are noted, for :meth:`_check_state_unchanged`."""
         if not self._computing and torch.is_grad_enabled() and not _in_backward():
             self._root_batch = _first_dim(args, kwargs)
             self._first_batch = None
+            self._state_before = self._state_versions()
+        else:
+            self._state_before = None
         return None
 
+    def _state_versions(self) -> dict[str, tuple[int, int, bool]]:
+        """(identity, version counter, published) of each buffer and frozen parameter of the model, by
+        name; published: in the state_dict (a parameter, a persistent buffer)."""
+        state = {}
+        for path, sub in self.module.named_modules(remove_duplicate=False):
+            pre = f"{path}." if path else ""
+            public = getattr(sub, "corrnoise_public_buffers", ())
+            for n, t in sub._buffers.items():
+                if t is not None and n not in public:
+                    state[f"buffer '{pre}{n}'"] = (id(t), t._version, n not in sub._non_persistent_buffers_set)
+            for n, p in sub._parameters.items():
+                if p is not None and id(p) not in self._index:
+                    state[f"parameter '{pre}{n}'"] = (id(p), p._version, True)
+        return state
+
+    def _check_state_unchanged(self) -> None:
+        """A buffer or frozen parameter that a forward with gradients on changed in place or replaced
+        (a running mean updated from the input, as BatchNorm's) is computed from the raw batch,
+        without clipping or noise. Where the state_dict publishes it (a parameter, a persistent
+        buffer) it is refused in one line; a non-persistent buffer is not saved, but the model's
+        later outputs depend on it: one warning per buffer. transformers' rotary embeddings with
+        dynamic or long-context scaling (``rope_type`` "dynamic", "longrope") rewrite their
+        non-persistent ``inv_freq`` from the batch's largest position (its padded length, or its
+        longest sequence where positions follow the attention mask): warned, not refused (measured,
+        tiny Llama with longrope). A module declares buffers that its forward updates without reading
+        the data (a step counter) by listing their names in its attribute ``corrnoise_public_buffers``;
+        they are not checked (the refusal says so). Checked on every such forward; the clipped
+        parameters are left out (the engine only toggles their requires_grad)."""
+        before, self._state_before = self._state_before, None
+        if before is None:
+            return
+        after = self._state_versions()
+        changed = [n for n, v in after.items() if before.get(n, (None, None, v[2])) != v]
+        published = [n for n in changed if after[n][2]]
+        if published:
+            self.clear()
+            more = f" (and {len(published) - 1} more)" if len(published) > 1 else ""
+            raise CorrnoiseError(
+                "model", f"{published[0]}{more} was changed during a forward with gradients on: it is computed from "
+                "the raw batch outside the private mechanism (no clipping, no noise) and would be published in the "
+                "model's state_dict; compute it in forward without storing it, or make it a trainable parameter (if it "
+                "does not depend on the data, a step counter, list its name in its module's corrnoise_public_buffers)")
+        fresh = [n for n in changed if n not in self._state_warned]
+        if fresh:
+            self._state_warned.update(fresh)
+            warnings.warn(
+                f"{', '.join(fresh[:3])}{f' (and {len(fresh) - 3} more)' if len(fresh) > 3 else ''} (not in the "
+                "state_dict) was changed during a forward with gradients on, from the raw batch outside the private "
+                "mechanism: the trained model's outputs depend on it until it is recomputed (transformers' dynamic "
+                "rotary scaling rewrites inv_freq from the batch's sequence length; pad every batch to one length "
+                "to make it data-independent)", RuntimeWarning, stacklevel=user_stacklevel())
+
     def _root_hook(self, m: nn.Module, args, kwargs, output):
-        """After each forward of the model: the shared indices it expanded and nobody verified yet
+        """After each forward of the model: its buffers and frozen parameters are checked unchanged
+        (:meth:`_check_state_unchanged`); the shared indices it expanded and nobody verified yet
         are probed against its output (:meth:`_probe_shared_indices`)."""
+        self._check_state_unchanged()
         expanded, self._expanded = self._expanded, []
         self._pending_probe.clear()
         if expanded and not self._computing and torch.is_grad_enabled() and not _in_backward():
