@@ -78,6 +78,43 @@ def test_step_lr_scheduler_drives_the_wrapped_optimizer():
     assert opt.original.param_groups[0]["lr"] == pytest.approx(1.0 / 16)
 
 
+def test_stepping_the_optimizer_given_to_make_private_is_refused_while_the_run_lasts():
+    """The optimizer given to make_private stepped directly would apply the first batch's raw
+    gradients (backward leaves them in .grad): refused in one line, the weights unchanged. A
+    scheduler made on it before make_private still works (it wraps its step, which the private
+    optimizer calls); a second make_private with the same optimizer takes it over; after the run the
+    optimizer is a plain one again."""
+    model = _mlp()
+    raw = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.5)
+    model, opt, loader = make_private(model, raw, DataLoader(_data(32), batch_size=8), noise_multiplier=1.0,
+                                      delta=1e-5, steps=4, max_grad_norm=1.0, mechanism="identity",
+                                      batching="cyclic")
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CorrnoiseError, match="^optimizer: the optimizer given to make_private was stepped directly.*"
+                       "step the optimizer make_private returned") as e:
+        raw.step()
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.step()  # the private step goes through it
+    opt.zero_grad()
+    sched.step()
+    assert raw.param_groups[0]["lr"] == 0.5 and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with pytest.warns(RuntimeWarning, match="already had a clipping engine"):
+        model, opt, loader = make_private(model, raw, DataLoader(_data(32), batch_size=8), noise_multiplier=1.0,
+                                          delta=1e-5, steps=4, max_grad_norm=1.0, mechanism="identity",
+                                          batching="cyclic")
+    for x, y in loader:  # the first optimizer's refusal does not stand in the second's way
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.steps_taken == 4
+    nn.functional.cross_entropy(model(x), y).backward()
+    raw.step()  # the run is over: a plain optimizer
+
+
 class _DictModel(nn.Module):
     def __init__(self):
         super().__init__()

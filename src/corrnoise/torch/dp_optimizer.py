@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -23,6 +24,22 @@ __all__ = ["DPOptimizer"]
 
 #: ``nan_policy=``: what a step does with examples whose gradient is not finite
 NAN_POLICIES = ("warn", "raise")
+
+
+def _refuse_direct_step(ref):
+    """The step pre-hook put on the optimizer given to make_private (``ref``: a weak reference to its
+    DPOptimizer): stepping it directly would apply the batch's raw, unclipped gradients without
+    noise (backward leaves them in ``.grad`` on the first step) and leave the private loader
+    waiting; refused in one line while that DPOptimizer's engine is attached (until the planned
+    run ends, ``release_model()``, or a later make_private takes the model over)."""
+    def hook(optimizer, args, kwargs):
+        dp = ref()
+        if dp is None or dp._stepping_original or dp.engine._detached:
+            return None
+        raise CorrnoiseError("optimizer", "the optimizer given to make_private was stepped directly: it would apply "
+                             "the batch's raw gradients, without clipping or noise; step the optimizer make_private "
+                             "returned (its step() clips, adds the noise and then steps this one)")
+    return hook
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -94,6 +111,10 @@ class DPOptimizer(torch.optim.Optimizer):
         #: steps taken with examples left out for a non-finite gradient (about the data: keep it as
         #: private as the training logs)
         self.nonfinite_steps = 0
+        # the wrapped optimizer stepped directly (its raw, unclipped gradients) is refused while the
+        # run lasts: only step() below steps it (:meth:`_refuse_direct_step`)
+        self._stepping_original = False
+        self._direct_step_hook = optimizer.register_step_pre_hook(_refuse_direct_step(weakref.ref(self)))
 
     # --- torch.optim surface ------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -168,6 +189,7 @@ class DPOptimizer(torch.optim.Optimizer):
         step afterwards; ``privacy_spent`` and ``state_dict`` still answer. The noise generator lets
         go of the rows it kept for reuse (on CPU, up to two model-size tensors)."""
         self.engine.detach(by="optimizer")  # a second call (an engine already detached) changes nothing
+        self._direct_step_hook.remove()  # the wrapped optimizer is a plain one again too
         self.privatizer.drop_kept_rows()
 
     def check_attribution(self, per_example_loss, batch, *, examples: int = 3, compute_dtype=None):
@@ -267,7 +289,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 torch._foreach_mul_(noisy, float(self.expected_batch_size))
             for p, g in zip(self.params, noisy):
                 p.grad = g if g.dtype == p.dtype else g.to(dtype=p.dtype)
-            self.original.step()
+            self._stepping_original = True
+            try:
+                self.original.step()
+            finally:
+                self._stepping_original = False
         count, clipped = self._count, self._clipped
         global_counts = getattr(self.privatizer, "all_reduce_counts", None)  # data parallel: the global batch
         if global_counts is not None:
