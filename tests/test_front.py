@@ -518,8 +518,13 @@ def test_freezing_or_unfreezing_after_make_private_is_refused_at_step():
 def test_clipping_covers_only_the_optimizers_parameters():
     model = _mlp()
     opt = torch.optim.SGD(model[2].parameters(), lr=0.3)  # fine-tune the head; the body stays trainable
-    model, opt, loader = make_private(model, opt, DataLoader(_data(), batch_size=16), mechanism="identity",
-                                      noise_multiplier=1.0, delta=1e-5, epochs=1, max_grad_norm=1.0)
+    # the body gets raw gradients, no noise: said once (a second optimizer on it would train it on them)
+    with pytest.warns(UserWarning, match=r"^2 trainable parameter\(s\) of the module are not in the optimizer given "
+                      r"to make_private \('0\.weight', '0\.bias'\): they get no clipping and no noise.*"
+                      r"freeze them \(requires_grad_\(False\)\) or add them to the optimizer$") as rec:
+        model, opt, loader = make_private(model, opt, DataLoader(_data(), batch_size=16), mechanism="identity",
+                                          noise_multiplier=1.0, delta=1e-5, epochs=1, max_grad_norm=1.0)
+    assert [w.filename for w in rec if "trainable parameter" in str(w.message)] == [__file__]  # the caller's line
     assert opt.engine.names == ["2.weight", "2.bias"]
     body = model[0].weight.detach().clone()
     for x, y in loader:

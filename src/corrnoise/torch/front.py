@@ -338,10 +338,28 @@ def _prepare_sampler(plan: RunPlan, batching, par: _Parallel) -> BatchSampler:
     return sampler
 
 
+def _warn_unoptimized(module: torch.nn.Module, chosen) -> None:
+    """Trainable parameters of ``module`` outside the optimizer given to make_private are neither
+    clipped nor noised: backward leaves their raw gradients in ``.grad``, and a second optimizer
+    (or any update from them) trains them on the data while ``privacy_spent`` reports the run's
+    epsilon. One warning, naming the first few; not refused (the gradients are harmless if nothing
+    reads them)."""
+    ids = {id(p) for p in chosen}
+    names = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in ids]
+    if names:
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        warnings.warn(f"{len(names)} trainable parameter(s) of the module are not in the optimizer given to "
+                      f"make_private ({shown}): they get no clipping and no noise (backward leaves their raw "
+                      "gradients in .grad, and the privacy spent does not cover anything trained on them); freeze "
+                      "them (requires_grad_(False)) or add them to the optimizer", UserWarning,
+                      stacklevel=user_stacklevel())
+
+
 def _prepare_engine(module, optimizer, plan: RunPlan, sampler: BatchSampler, par: _Parallel, *, max_grad_norm,
                     loss_reduction, noise_seed, noise_method):
     """The clipping engine on the (inner) module -- clipping and noising only what the optimizer
-    updates, as Opacus does -- and the privatizer of the plan's mechanism and noise."""
+    updates, as Opacus does, with a warning naming the trainable parameters left out
+    (:func:`_warn_unoptimized`) -- and the privatizer of the plan's mechanism and noise."""
     from .clipping import ClippingEngine
 
     optimized = None
@@ -350,6 +368,7 @@ def _prepare_engine(module, optimizer, plan: RunPlan, sampler: BatchSampler, par
         owned = {id(p) for p in par.inner.parameters()}
         if all(id(p) in owned for p in chosen if p.requires_grad):
             optimized = chosen  # else DPOptimizer refuses the foreign tensor, naming the optimizer
+            _warn_unoptimized(par.inner, chosen)
     engine = ClippingEngine(par.inner, loss_reduction=loss_reduction, max_grad_norm=max_grad_norm,
                             parameters=optimized)
     noise = dict(noise_std=plan.noise_std, clip_norm=max_grad_norm, expected_batch_size=sampler.expected_batch_size,
