@@ -173,3 +173,23 @@ def test_a_planner_name_outside_a_planned_run_and_the_epochs_help_say_what_is_ta
     from corrnoise.cli import cli
 
     assert "--epochs INTEGER" in CliRunner().invoke(cli, ["plan", "--help"]).output
+
+
+def test_account_and_train_write_progress_lines_where_stderr_is_not_a_terminal(capsys, monkeypatch):
+    """A piped run was silent for minutes (a Monte Carlo calibration in account, the training loop
+    of train); both now write LineProgress lines on stderr (here without its quiet first second)."""
+    from corrnoise.progress import LineProgress
+
+    init = LineProgress.__init__
+
+    def quick(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "after": 0.0, "every": 0.0, "gap": 0.0})
+
+    monkeypatch.setattr(LineProgress, "__init__", quick)
+    assert main(["account", "bsr:2", "--n", "20", "--batching", "balls-in-bins:10", "--epsilon", "2",
+                 "--delta", "1e-3", "--samples", "20000"]) == 0
+    err = capsys.readouterr().err
+    assert "corrnoise [" in err and "verifying" in err
+    assert main(["train", "--dataset", "digits", "--mechanism", "bsr:2", "--batching", "cyclic", "--epsilon", "8",
+                 "--delta", "1e-5", "--epochs", "1", "--batch-size", "256"]) == 0
+    assert "training" in capsys.readouterr().err

@@ -42,6 +42,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import CorrnoiseError, check_int, check_real
+from .progress import LineProgress
 from .pipelines import AUTO, PIPELINES, pipeline_of
 
 if TYPE_CHECKING:
@@ -101,8 +102,8 @@ def train(
     :class:`~corrnoise.runplan.RunPlan` to train exactly; ``choice``: a :func:`choose_mechanism`
     / :func:`candidate_choice` result to train instead of choosing again. Hyperparameters left
     None take the dataset's defaults. Seeds, ``plan_plot`` and the result: the module docstring.
-    ``progress(label, done, total)`` hears planning and training; None: the planner's own
-    progress lines on stderr, False: silence.
+    ``progress(label, done, total)`` hears planning and training; None: progress lines on stderr
+    (:class:`~corrnoise.progress.LineProgress`, quiet for the first second), False: silence.
     """
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -133,7 +134,10 @@ def train(
     model, opt, loader = front.make_private(
         model, opt, DataLoader(TensorDataset(xtr, ytr), batch_size=run.batch_size), plan=run, max_grad_norm=s.clip,
         seed=sampler_seed, noise_seed=noise_seed, max_physical_batch_size=max_physical_batch_size)
-    history, train_loss = _loop(model, opt, loader, xte, yte, s.device, progress)
+    # None: lines on stderr past a second, also while training (a user probe: minutes of silence
+    # in train's loop when stderr was not a terminal)
+    history, train_loss = _loop(model, opt, loader, xte, yte, s.device,
+                                LineProgress() if progress is None else progress)
     trained = time.perf_counter()
 
     model.eval()

@@ -20,6 +20,7 @@ import sys
 import click
 
 from ..errors import CorrnoiseError
+from ..progress import LineProgress
 from .progress import RichProgress
 from .report import emit
 
@@ -89,7 +90,9 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
             raise CorrnoiseError(name, f"must be >= 1, got {value}")
     spec = parse_batching(batching, participation)
     strategy = parse_strategy(mechanism, n)
-    bar = RichProgress() if (not as_json) and sys.stderr.isatty() else None
+    # progress on stderr also where it is not a terminal (plain lines past a second: a user probe met
+    # 108 s of silence in a piped Monte Carlo calibration); --json keeps stderr quiet, as plan's
+    bar = None if as_json else RichProgress() if sys.stderr.isatty() else LineProgress()
     options = {"samples": samples, "seed": seed, "progress": bar,
                "verify": True if verify else None, "lower_bound": True if lower_bound else None,
                "estimate": True if estimate else None, "verify_samples": verify_samples}
@@ -112,7 +115,7 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
             result = account(strategy, spec, delta=delta, noise_std=noise_std, noise_multiplier=sigma,
                              method=method, **options)
     finally:
-        if bar is not None:
+        if isinstance(bar, RichProgress):
             bar.close()
     if not math.isfinite(result.epsilon):
         raise CorrnoiseError("noise", f"epsilon is infinite at delta={result.delta:g} for noise_std="
