@@ -165,6 +165,14 @@ def test_a_plan_label_names_its_mechanism_by_content(tmp_path):
     assert "the plan was edited" in _refused(path, "label")
     _tamper(path, lambda d: d.update(label=planned.strategy.label))
     assert RunPlan.from_json(path).label == planned.strategy.label
+
+    def forged(d):  # a name that builds another mechanism, backed by a candidate entry edited to match
+        mine = next(c for c in d["candidates"] if c["mechanism"] == planned.label)
+        d["candidates"].append({**mine, "mechanism": "dpsgd"})
+        d.update(label="dpsgd")
+
+    _tamper(path, forged)
+    _refused(path, "label")
     named = _plan("given-noise").to_json(tmp_path / "named.json")
     _tamper(named, lambda d: d.update(label="dpsgd"))  # a name that builds it (identity)
     assert RunPlan.from_json(named).label == "dpsgd"

@@ -323,16 +323,18 @@ def _label(label: Any, strategy: Strategy, event: MechanismEvent, candidates: tu
         return strategy.label
     if not isinstance(label, str):
         raise CorrnoiseError("label", f"must be a string, got {label!r}")
-    if any(isinstance(c, dict) and c.get("mechanism") == label and c.get("strategy") == strategy.label
-           and c.get("final") and c.get("batching") == event.batching.spec and c.get("noise_std") == event.noise_std
-           for c in candidates):
-        return label
     fingerprint = mechanism_fingerprint(strategy)
     try:
-        if mechanism_fingerprint(parse_strategy(label, event.steps)) == fingerprint:
-            return label
+        named = mechanism_fingerprint(parse_strategy(label, event.steps))
     except CorrnoiseError:
-        pass
+        named = None  # not a name that builds a mechanism (a planner's bandmf:16, a file)
+    if named is not None:  # a name of a mechanism is that mechanism, whatever the candidates list says
+        if named == fingerprint:
+            return label
+    elif any(isinstance(c, dict) and c.get("mechanism") == label and c.get("strategy") == strategy.label
+             and c.get("final") and c.get("batching") == event.batching.spec and c.get("noise_std") == event.noise_std
+             for c in candidates):
+        return label
     if label.endswith((".json", ".npy")):  # a file's path is a name, not an identity: the content's label
         return strategy.label
     raise CorrnoiseError("label", f"the plan says {label!r} but its mechanism is {strategy.label} (fingerprint "
