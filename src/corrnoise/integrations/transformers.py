@@ -373,7 +373,7 @@ class PrivateTrainer(transformers.Trainer):
                                  "its batches are the accounted ones")
         context = self.private_optimizer.context
         context.current_step, context.size, context.mask, context.more_micro_batches, context.micro_batch = micro
-        if micro.index == 0:
+        if micro.index == 0 or self._step_loss is None:
             self._step_loss = (torch.zeros((), device=self.args.device), 0, torch.zeros((), device=self.args.device))
         if micro.size == 0:
             loss = None

@@ -11,7 +11,7 @@ from .constants import (_PIPELINE_BATCHINGS, BANDS, BETAS, BUFFERS, MAX_DENSE_N,
                         TOEPLITZ_MAX_ITERATIONS, TREE_DECODINGS)
 from .families import design_family, families, family_designs, regenerable_families
 from .setup import PlanSetup
-from .store import cached_numbers, cached_strategy
+from .store import cached_strategy
 
 #: What a failed design raises (a refused input, a numerical failure -- numpy's LinAlgError is a
 #: ValueError -- an overflow): the planner drops that candidate with the reason and goes on.
