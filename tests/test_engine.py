@@ -1412,6 +1412,37 @@ def test_one_hot_norm_keeps_a_nan_in_its_example():
     torch.testing.assert_close(got[[0, 2]], _tables([(OneHot(idx, 3), d)], 0)[[0, 2]].reshape(2, -1).square().sum(1))
 
 
+def _one_hot_case(path: str):
+    """Indices (B, G, T) and table size that take each of one_hot_norm_sq's paths."""
+    gen = torch.Generator().manual_seed(3)
+    if path == "sorted":  # a table longer than the uses (a vocabulary): keys sorted into segments
+        return torch.randint(0, 9, (4, 2, 5), generator=gen), 40
+    if path == "small table":  # no longer than T: summed straight into each example's table
+        return torch.randint(0, 3, (4, 2, 5), generator=gen), 4
+    if path == "shared distinct":  # expanded position ids 0..T-1: the rows' own norm
+        return torch.randperm(5, generator=gen).view(1, 1, 5).expand(4, 2, 5), 16
+    return torch.tensor([[[3, 1, 3, 7, 1]]]).expand(4, 2, 5), 16  # shared, repeated: segments of one row
+
+
+@pytest.mark.parametrize("path", ["sorted", "small table", "shared distinct", "shared repeated"])
+@pytest.mark.parametrize("uses", [1, 2])
+def test_one_hot_norm_on_each_of_its_paths(path, uses):
+    """Each path of one_hot_norm_sq (chosen by the indices: sorted segments, a small table summed
+    directly, batch-shared indices distinct or repeated) against the tables built row by row, for
+    one use and for two (a layer called twice); a NaN row reaches its own example's norm only."""
+    from corrnoise.torch.clipping.formulas import OneHot, one_hot_norm_sq
+
+    idx, v = _one_hot_case(path)
+    gen = torch.Generator().manual_seed(4)
+    factors = [(OneHot(idx, v), torch.randn(4, 2, 5, 3, generator=gen, dtype=torch.float64)) for _ in range(uses)]
+    want = _tables(factors, 0).reshape(4, -1).square().sum(1)
+    torch.testing.assert_close(one_hot_norm_sq(factors), want, rtol=1e-12, atol=1e-12)
+    factors[0][1][2, 1, 3, 0] = float("nan")
+    got = one_hot_norm_sq(factors)
+    assert torch.isnan(got[2]) and torch.isfinite(got[[0, 1, 3]]).all()
+    torch.testing.assert_close(got[[0, 1, 3]], want[[0, 1, 3]], rtol=1e-12, atol=1e-12)
+
+
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(1, 5), g=st.sampled_from([1, 2]), t=st.integers(1, 6), v=st.integers(1, 7),
        q=st.integers(1, 4), side=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))

@@ -190,7 +190,11 @@ def one_hot_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     pairs = [(u, v) if side == 0 else (v, u) for u, v in factors]  # (one-hot, dense) per use
     d0 = pairs[0][1]
     b, g, q, size = d0.shape[0], d0.shape[1], d0.shape[-1], pairs[0][0].size
+    if b > 1 and all(oh.idx.stride(0) == 0 for oh, _ in pairs):
+        return _shared_one_hot_norm_sq(pairs)
     offsets = torch.arange(b * g, device=d0.device).view(b, g, 1) * size
+    if size <= sum(d.shape[2] for _, d in pairs):
+        return _small_table_norm_sq(pairs, offsets)
     keys = torch.cat([(oh.idx + offsets).reshape(-1) for oh, _ in pairs])
     rows = torch.cat([d.reshape(-1, q) for _, d in pairs]) if len(pairs) > 1 else d0.reshape(-1, q)
     ordered, perm = keys.sort()
@@ -202,6 +206,43 @@ def one_hot_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     example = torch.zeros_like(segment).scatter_(0, segment, ordered // (g * size))
     sq = torch.linalg.vector_norm(sums, dim=1).square()
     return torch.zeros(b, dtype=rows.dtype, device=rows.device).index_add_(0, example, sq)
+
+
+def _small_table_norm_sq(pairs: list[tuple[OneHot, torch.Tensor]], offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`one_hot_norm_sq` for a table no longer than the uses' total T (a token-type table of
+    2 rows; position ids as long as the sequence): every example's whole table, (B, G, V, Q), is no
+    larger than its rows, so the rows go straight to (example, block, token) without a sort.
+    Measured in BERT's step at width 128 (B 32, T 64): its token-type table 133 -> 62-73 us."""
+    d0 = pairs[0][1]
+    b, q = d0.shape[0], d0.shape[-1]
+    keys = torch.cat([(oh.idx + offsets).reshape(-1) for oh, _ in pairs])
+    rows = torch.cat([d.reshape(-1, q) for _, d in pairs]) if len(pairs) > 1 else d0.reshape(-1, q)
+    tables = torch.zeros(b * d0.shape[1] * pairs[0][0].size, q, dtype=rows.dtype, device=rows.device)
+    tables.index_add_(0, keys, rows)
+    return torch.linalg.vector_norm(tables.view(b, -1), dim=1).square()
+
+
+def _shared_one_hot_norm_sq(pairs: list[tuple[OneHot, torch.Tensor]]) -> torch.Tensor:
+    """:func:`one_hot_norm_sq` for indices shared by the batch (expanded (1, T) position ids, stride
+    0 along the batch): the segments of equal (block, token) keys are the same in every example,
+    so they are found once on the G T keys of example 0, and each example's rows are summed into
+    them along dim 1 (on CPU, keys all distinct: the norm of the rows themselves). Measured in
+    BERT's step at width 128 (B 32, T 64), position ids: 202-210 -> 79 us."""
+    d0 = pairs[0][1]
+    b, g, q, size = d0.shape[0], d0.shape[1], d0.shape[-1], pairs[0][0].size
+    blocks = torch.arange(g, device=d0.device).view(g, 1) * size
+    keys = torch.cat([(oh.idx[0] + blocks).reshape(-1) for oh, _ in pairs])
+    rows = torch.cat([d.reshape(b, -1, q) for _, d in pairs], dim=1) if len(pairs) > 1 else d0.reshape(b, -1, q)
+    ordered, perm = keys.sort()
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    if rows.device.type == "cpu" and bool(starts.all()):
+        # every key its own segment (positions 0..T-1): each table row is one row of d (read back to
+        # the host on CPU only, where it costs no sync)
+        return torch.linalg.vector_norm(rows.reshape(b, -1), dim=1).square()
+    where = torch.empty_like(perm).scatter_(0, perm, starts.cumsum(0) - 1)  # the segment of each key
+    sums = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device).index_add_(1, where, rows)
+    return torch.linalg.vector_norm(sums.view(b, -1), dim=1).square()
 
 
 def bookkeeping_sum(factors: list[tuple[object, torch.Tensor]], weights: torch.Tensor, shape) -> torch.Tensor:
