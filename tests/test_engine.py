@@ -325,6 +325,23 @@ def test_refuses_embedding_with_max_norm(make, frozen):
     ClippingEngine(nn.Sequential(nn.Sequential(nn.Embedding(20, 4)), nn.Linear(4, 3)))  # without max_norm: accepted
 
 
+@pytest.mark.parametrize("make", [lambda: nn.Embedding(20, 4, scale_grad_by_freq=True),
+                                  lambda: nn.EmbeddingBag(20, 4, scale_grad_by_freq=True)],
+                         ids=["Embedding", "EmbeddingBag"])
+def test_refuses_a_trained_table_scaled_by_batch_frequency(make):
+    """scale_grad_by_freq divides each row's gradient by its token's count in the whole batch (one
+    example's gradient depends on the others'): refused at attach in one line naming the layer
+    (an EmbeddingBag was let through and refused only at its first step, as a layer whose
+    gradients do not add up); frozen, it has no gradient to scale and is accepted."""
+    model = nn.Sequential(nn.Sequential(make()), nn.Linear(4, 3))
+    with pytest.raises(CorrnoiseError, match=r"^module: '0\.0' \(Embedding(Bag)? with scale_grad_by_freq=True\) "
+                       r"mixes examples.*set scale_grad_by_freq=False$") as e:
+        ClippingEngine(model)
+    assert "\n" not in str(e.value)
+    model[0][0].requires_grad_(False)
+    ClippingEngine(model)
+
+
 class _RunningMean(nn.Module):
     """A custom layer that keeps a running mean of its input in a buffer, as BatchNorm does."""
 

@@ -50,7 +50,7 @@ call (it was used outside its owner's forward) is refused; on the first ``clippe
 whenever ``verify=True``) the unclipped sum of the captured per-example gradients is compared
 with the gradient autograd accumulated, which catches a parameter also used outside its
 owner's forward (e.g. ``F.linear(x, emb.weight)`` in a parent module) or a non-deterministic
-fallback layer. Layers that mix examples (BatchNorm, SyncBatchNorm, Embedding with
+fallback layer. Layers that mix examples (BatchNorm, SyncBatchNorm, Embedding or EmbeddingBag with
 ``scale_grad_by_freq``, MultiheadAttention with ``batch_first=False``) are refused at attach, and so
 are those that rewrite their own state from the raw batch (Embedding / EmbeddingBag with
 ``max_norm``: rows renormalized in place; InstanceNorm with ``track_running_stats``). Any other
@@ -217,8 +217,12 @@ def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
         return (f"'{name}' ({type(m).__name__} with track_running_stats=True) updates running_mean / running_var from "
                 "the raw batches, outside the private mechanism, and they are published in the state_dict; set "
                 "track_running_stats=False")
-    if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
-        return f"'{name}' (Embedding with scale_grad_by_freq=True) mixes examples; set scale_grad_by_freq=False"
+    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq and id(m.weight) in trainable:
+        # each row's gradient is divided by its token's count in the whole batch (found by a probe:
+        # an EmbeddingBag with it passed the attach and was refused at its first step as a layer
+        # whose gradients do not add up); a frozen table has no gradient to scale
+        return (f"'{name}' ({type(m).__name__} with scale_grad_by_freq=True) mixes examples (each row's gradient is "
+                "divided by its count in the whole batch); set scale_grad_by_freq=False")
     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
         # F.embedding(max_norm=...) renormalizes the looked-up rows of the table in place, under
         # no_grad, from the raw batch: the published table shows which rows the data touched (frozen
