@@ -242,6 +242,29 @@ def test_calibration_one_bin_is_gaussian_calibration():
     assert cal.noise_std == pytest.approx(sens / gaussian_mu(2.0, 1e-3), rel=0.02)
 
 
+@pytest.mark.parametrize("m,d", [(1 << 16, 1e-5), (1 << 16, 1e-3), (1000, 0.05), (10 ** 6, 1e-8), (200, 0.0)])
+def test_upper_deviation_is_bernsteins_root_and_bounds_a_bernoulli_tail(m, d):
+    """upper_deviation (the plan screen's threshold) against an independent root finder on
+    m t^2 = 2 L (d + t / 3), its Bernstein bound equal to the failure chance, and the exact
+    binomial tail of m Bernoulli(d) terms (variance d (1 - d) <= d, terms in [0, 1]) beyond
+    d + t no larger than that chance (scipy's binomial survival function)."""
+    from scipy.optimize import brentq
+    from scipy.stats import binom
+
+    from corrnoise.accounting.montecarlo.release import upper_deviation
+
+    failure = 1e-12
+    t = upper_deviation(m, d, failure)
+    log_term = math.log(1.0 / failure)
+    root = brentq(lambda x: m * x * x - 2.0 * log_term * (d + x / 3.0), 1e-300, 1.0, xtol=1e-300, rtol=1e-14)
+    assert t == pytest.approx(root, rel=1e-12)
+    assert math.exp(-m * t * t / (2.0 * (d + t / 3.0))) == pytest.approx(failure, rel=1e-9)
+    exceed = math.floor(m * (d + t))  # mean_hat > d + t: more than this many ones
+    assert binom.sf(exceed, m, d) <= failure
+    with pytest.raises(CorrnoiseError, match="^mean_bound"):
+        upper_deviation(m, 1.5, failure)
+
+
 def test_failure_probability_theorem_2_2():
     # seed 000 App. E: delta = 8e-6, tau = 1.25, s = 1e8 -> below 7.2e-9
     fp = mc.failure_probability(10 ** 8, 8e-6, 1.25)

@@ -300,16 +300,16 @@ _SCREEN_FAILURE = 1e-12
 def _screen_epsilon(guarantee: PrivacyResult, event: MechanismEvent, source: str) -> None:
     """Before a fresh verification (~1e8 samples, up to half an hour): a small Monte Carlo
     estimate of delta_remove at the claimed epsilon and noise (seed 000 Sec. 2, each term in
-    [0, 1]). If the claim held (delta_remove <= delta), Bernstein's inequality bounds the chance
-    that the mean of m terms exceeds delta + t by exp(-m t^2 / (2 (delta + t / 3))); t is set so
-    that chance is 1e-12, and an estimate above delta + t refuses the claim at once as edited
+    [0, 1]). If the claim held (delta_remove <= delta), the mean of m terms exceeds delta + t
+    with chance at most 1e-12 (Bernstein: :func:`~corrnoise.accounting.montecarlo.release.upper_deviation`),
+    and an estimate above delta + t refuses the claim at once as edited
     (a consistently edited epsilon: the record alone cannot tell). Nothing is released by passing:
     the verification still decides."""
     from ..accounting.montecarlo import estimate_delta
+    from ..accounting.montecarlo.release import upper_deviation
 
     d, m = guarantee.delta, _SCREEN_SAMPLES
-    log_term = math.log(1.0 / _SCREEN_FAILURE)
-    t = (2.0 * log_term / 3.0 + math.sqrt((2.0 * log_term / 3.0) ** 2 + 8.0 * m * log_term * d)) / (2.0 * m)
+    t = upper_deviation(m, d, _SCREEN_FAILURE)
     est = estimate_delta(event.mechanism.matrix(), event.batching.bins, event.noise_std, guarantee.epsilon, m, seed=0)
     if est.delta_remove > d + t:
         raise CorrnoiseError("guarantee", f"{source}: epsilon {guarantee.epsilon:g} at noise_std "

@@ -26,6 +26,18 @@ def failure_probability(samples: int, delta: float, tau: float = DEFAULT_TAU) ->
     return math.exp(-samples * (tau - 1.0) ** 2 * delta / (8.0 * tau / 3.0 - 2.0 / 3.0))
 
 
+def upper_deviation(samples: int, mean_bound: float, failure: float) -> float:
+    """Bernstein's inequality for the mean of ``samples`` (m) independent terms in [0, 1] whose
+    mean is at most ``mean_bound`` (d; each term's variance is then at most its mean):
+    Pr[mean_hat >= d + t] <= exp(-m t^2 / (2 (d + t / 3))). The t at which that bound equals
+    ``failure``: the positive root of m t^2 - (2 L / 3) t - 2 L d = 0 with L = log(1 / failure)."""
+    m = check_int("samples", samples, minimum=1)
+    d = check_real("mean_bound", mean_bound, low=0.0, high=1.0)
+    failure = check_real("failure", failure, low=0.0, high=1.0, low_open=True, high_open=True)
+    log_term = math.log(1.0 / failure)
+    return (2.0 * log_term / 3.0 + math.sqrt((2.0 * log_term / 3.0) ** 2 + 8.0 * m * log_term * d)) / (2.0 * m)
+
+
 def verification_samples(delta: float, tau: float = DEFAULT_TAU,
                          failure: float | None = None) -> int:
     """Fewest samples for which verifying delta_hat <= delta / tau for both adjacencies fails with
