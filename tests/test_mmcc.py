@@ -429,3 +429,25 @@ def test_the_p_equals_p_reference_under_block_cyclic_sampling_is_an_estimate_not
     lower = M.mmcc_epsilon(c, None, 0.9, 0.7, 1e-5, lower_bound=True)
     assert "epsilon_mmcc_lower_bound" in lower.extras and "epsilon_mmcc" not in lower.extras
     assert M.mmcc_epsilon(c, None, 0.9, 0.7, 1e-5, lower_bound=True).kind == "lower_bound"
+
+
+def test_mmcc_reports_progress_for_epsilon_and_for_delta():
+    """MMCC tells a progress reporter what it composes, both ways: epsilon(delta) (its rows) and
+    delta(epsilon) (each delta_1 of its search, then its rows; ends with the search's done).
+    Both dropped ``progress`` (a user probe met 22-45 s of silence in ``corrnoise account
+    toeplitz-sqrt --n 512 --batching poisson:0.0625 --noise-std 36 --epsilon 2``)."""
+    strat = parse_strategy("toeplitz-sqrt", 8)
+    heard: list[tuple[str, int, int]] = []
+
+    def report(label: str, done: int, total: int) -> None:
+        heard.append((label, done, total))
+
+    account(strat, "poisson:0.25", noise_std=2.0, delta=1e-5, method="mmcc", progress=report)
+    assert ("MMCC rows", 0, 8) in heard
+    heard.clear()
+    res = account(strat, "poisson:0.25", noise_std=2.0, epsilon=2.0, method="mmcc", progress=report)
+    search = [h for h in heard if h[0].startswith("MMCC delta(epsilon)")]
+    assert search and search[0][0].startswith("MMCC delta(epsilon): delta_1 = ") and search[0][1] == 0
+    assert search[-1] == ("MMCC delta(epsilon)", search[-1][2], search[-1][2])  # the search's done
+    assert len(search) - 1 <= search[-1][2]  # no more compositions than it announced
+    assert any(h[0] == "MMCC rows" for h in heard) and res.extras["delta_of_epsilon"] is True

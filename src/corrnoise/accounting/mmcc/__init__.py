@@ -87,7 +87,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 def delta_mmcc(strategy, batching, noise_std: float, epsilon: float, lower_bound: bool = False,
                delta_split: Any = "auto", discretization: float = DEFAULT_LOSS_DISCRETIZATION,
-               workers: int | None = None) -> PrivacyResult:
+               workers: int | None = None, progress: Any = None) -> PrivacyResult:
     """delta(epsilon) directly (:func:`mmcc_delta`: delta_1 searched for this epsilon), instead of
     bisecting epsilon(delta): toeplitz-sqrt n = 512 at noise 36, epsilon 2: delta 0.00927 in 24 s
     against the bisection's 0.00933 in 6 min (benchmarks/RESULTS.md)."""
@@ -98,7 +98,7 @@ def delta_mmcc(strategy, batching, noise_std: float, epsilon: float, lower_bound
         raise CorrnoiseError("delta_split", "is for epsilon(delta); delta(epsilon) searches delta_1 for its epsilon")
     blocks = batching.blocks if isinstance(batching, BlockCyclic) else 1
     return mmcc_delta(strategy, strategy.n, batching.p, noise_std, epsilon, blocks=blocks,
-                      loss_discretization=discretization, workers=workers)
+                      loss_discretization=discretization, workers=workers, progress=progress)
 
 
 @register_method(
@@ -112,7 +112,7 @@ def delta_mmcc(strategy, batching, noise_std: float, epsilon: float, lower_bound
 )
 def account_mmcc(strategy, batching, noise_std: float, delta: float, lower_bound: bool = False,
                  delta_split: Any = "auto", discretization: float = DEFAULT_LOSS_DISCRETIZATION,
-                 workers: int | None = None) -> PrivacyResult:
+                 workers: int | None = None, progress: Any = None) -> PrivacyResult:
     """MMCC (seed 001 Thm 4.3) for Poisson sampling, Generalized MMCC (Thm D.1) for block-cyclic,
     or the Renyi mixture bound (:mod:`.renyi`) where it is smaller.
 
@@ -121,4 +121,4 @@ def account_mmcc(strategy, batching, noise_std: float, delta: float, lower_bound
     blocks = batching.blocks if isinstance(batching, BlockCyclic) else 1
     return mmcc_epsilon(strategy, strategy.n, batching.p, noise_std, delta, lower_bound=bool(lower_bound),
                         blocks=blocks, delta_split=delta_split, loss_discretization=discretization,
-                        workers=workers)
+                        workers=workers, progress=progress)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...errors import check_int, check_real
-from ...progress import Progress
+from ...progress import Progress, resolve_progress
 from .._common import as_lower_triangular, blas_threads, map_ordered, resolve_workers
 from ..base import PrivacyResult
 from .pld import DEFAULT_LOSS_DISCRETIZATION, DiscretePLD, compose_all, pld_delta, pld_epsilon
@@ -346,12 +346,16 @@ def mmcc_delta(
     sensitivity_tolerance: float = DEFAULT_SENSITIVITY_TOLERANCE,
     workers: int | None = None,
     dedupe: bool = True,
+    progress: Progress | bool | None = None,
 ) -> PrivacyResult:
     """Smallest delta such that MMCC proves (epsilon, delta)-DP: min over delta_1 of
     delta_1 + delta_PLD(epsilon; p~(delta_1)), capped by the unamplified Gaussian delta(epsilon).
 
     delta_1 is searched on a log grid upwards from the PLD delta of the independent-rows
-    composition (p~ = p), below which the tail bounds cannot pay off."""
+    composition (p~ = p), below which the tail bounds cannot pay off. ``progress`` hears each
+    MMCC composition of the search (phase "MMCC delta(epsilon)", out of at most the walk's
+    length plus two refinements) and each composition's rows (a user probe met 22-45 s of
+    silence in ``corrnoise account toeplitz-sqrt ... --epsilon 2``)."""
     cmat, _ = _as_matrix(strategy, n)
     p, noise_std = _check_common(p, noise_std)
     epsilon = check_real("epsilon", epsilon, low=0.0)
@@ -363,14 +367,22 @@ def mmcc_delta(
     delta_unamp = gaussian_delta(epsilon, sens_value / noise_std) if epsilon > 0 else 1.0
     delta_renyi = mixture_rdp_delta(cmat, p, noise_std, epsilon, blocks=blocks)
     kw = dict(blocks=blocks, loss_discretization=loss_discretization, sensitivity_tolerance=sensitivity_tolerance,
-              workers=workers, dedupe=dedupe)
+              workers=workers, dedupe=dedupe, progress=progress)
+    report = resolve_progress(progress)
     worst = 0.0
     for off in _offsets(cmat, blocks, offsets):
         rem, add, info = mmcc_plds(cmat, None, p, noise_std, 0.0, offset=off, lower_bound=True, **kw)
         base = max(pld_delta(rem, epsilon), pld_delta(add, epsilon), 1e-300)
+        # compositions the search below may run: the walk up by factors of 10 from min(base, 0.5)
+        # to 0.5, then two refinements
+        most = int(math.ceil(math.log10(0.5 / min(base, 0.5)))) + 3
+        done = 0
 
         def total(d1: float) -> float:
+            nonlocal done
+            report(f"MMCC delta(epsilon): delta_1 = {d1:.2g}", done, most)
             rem, add, info = mmcc_plds(cmat, None, p, noise_std, d1, offset=off, **kw)
+            done += 1
             if not info["tail_events"]:
                 return max(pld_delta(rem, epsilon), pld_delta(add, epsilon))
             return d1 + max(pld_delta(rem, epsilon), pld_delta(add, epsilon))
@@ -390,6 +402,7 @@ def mmcc_delta(
         for d1 in (best_d1 / math.sqrt(10.0), best_d1 * math.sqrt(10.0)):
             if 0.0 < d1 <= 0.5:
                 best = min(best, total(d1))
+        report("MMCC delta(epsilon)", most, most)
         worst = max(worst, best)
     delta = min(worst, delta_unamp, delta_renyi, 1.0)
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
