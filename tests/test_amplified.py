@@ -143,3 +143,38 @@ def test_every_kind_runs_end_to_end_with_c_nonnegative(kind):
     res = am.optimize_amplified(kind, 32, 8, 2.0, 1e-3, buffers=2, steps=3, samples=1024, final_samples=1 << 14)
     assert res.result_kind == "guarantee" and res.strategy.is_nonnegative() and res.strategy.n == 32
     assert res.rms_error == pytest.approx(res.noise_std * error_summary(res.strategy)[0], rel=1e-12)
+
+
+def test_every_phase_reports_progress():
+    """optimize_amplified's report hears each phase in order: the start point, every descent step
+    (k of steps), the two selection estimates, then the verified accounting's own phases; and the
+    (step, rms) callback still hears each step (the command line was silent when piped)."""
+    heard, steps = [], []
+    am.optimize_amplified("blt", 32, 8, 2.0, 1e-3, buffers=2, steps=3, samples=1024, final_samples=1 << 14,
+                          progress=lambda k, rms: steps.append(k), report=lambda *h: heard.append(h))
+    phases = [label.split(":")[0] for label, _, _ in heard]
+    first = {p: phases.index(p) for p in dict.fromkeys(phases)}
+    order = ["amplified start (the unamplified optimum)", "amplified descent", "amplified selection (two estimates)"]
+    assert [p for p in first if p in order] == order
+    assert [(d, t) for label, d, t in heard if label.startswith("amplified descent")] == [(1, 3), (2, 3), (3, 3)]
+    assert steps == [0, 1, 2]
+    assert max(first.values()) > first[order[-1]]  # the verified accounting reports after the selection
+
+
+def test_cli_amplified_reports_on_a_pipe(capsys, monkeypatch):
+    """On a pipe (not a terminal), without --json: progress lines on stderr; with --json: none."""
+    import corrnoise.planner.amplified as amp
+    from corrnoise.progress import LineProgress
+
+    told = []
+
+    def stand_in(*args, report=None, **kwargs):
+        told.append(report)
+        raise CorrnoiseError("kind", "stopped by the test")
+
+    monkeypatch.setattr(amp, "optimize_amplified", stand_in)
+    for flags in ([], ["--json"]):
+        code = main(["optimize", "blt", "--n", "32", "--participation", "cyclic:4:8", "--amplification",
+                     "balls-in-bins", "--epsilon", "2", "--delta", "1e-3", *flags])
+        assert code != 0 and "stopped by the test" in capsys.readouterr().err
+    assert len(told) == 2 and isinstance(told[0], LineProgress) and told[1] is None

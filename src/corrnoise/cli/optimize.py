@@ -2,8 +2,8 @@
 
 Optimizes a strategy (:func:`corrnoise.optimize.run.run_optimize`), optionally writes a
 mechanism file, and prints a table or one JSON object (``--json``) with ``rms_loss, max_loss,
-sensitivity, mean_error, max_error, seconds, file``. Progress is shown with rich only on a
-terminal and never with ``--json``.
+sensitivity, mean_error, max_error, seconds, file``. Progress goes to stderr: a rich bar on a
+terminal, plain lines elsewhere, nothing with ``--json``.
 """
 
 from __future__ import annotations
@@ -15,14 +15,29 @@ import click
 
 from ..errors import CorrnoiseError
 from ..optimize.run import run_optimize
+from ..progress import LineProgress
+from .progress import RichProgress
 from .report import emit
 
 
 @contextlib.contextmanager
-def _progress_display(enabled: bool, title: str):
-    """Yield (fraction_callback, iteration_callback) driving one rich progress bar, or no-ops."""
-    if not enabled:
+def _progress_display(as_json: bool, title: str):
+    """Yield (fraction_callback, iteration_callback): one rich progress bar on a terminal, plain
+    lines on stderr elsewhere (past a second: a user probe met a silent piped optimization), no-ops
+    with ``--json``."""
+    if as_json:
         yield (lambda fraction, message: None), (lambda iteration, loss: None)
+        return
+    if not sys.stderr.isatty():
+        lines = LineProgress()
+
+        def line_fraction(fraction: float, message: str) -> None:
+            lines(f"{title}: {message}", int(round(1000 * min(max(fraction, 0.0), 1.0))), 1000)
+
+        def line_iteration(iteration: int, loss: float) -> None:
+            lines(f"{title}: iteration {iteration}, loss {loss:.6g}", iteration, 0)
+
+        yield line_fraction, line_iteration
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -66,8 +81,7 @@ def optimize_command(kind, n, bands, buffers, participation, objective, workload
     for name, value in (("epsilon", epsilon), ("delta", delta)):
         if value is not None:
             raise CorrnoiseError(name, "is only used with --amplification balls-in-bins")
-    show = (not as_json) and sys.stderr.isatty()
-    with _progress_display(show, f"optimize {kind}") as callbacks:
+    with _progress_display(as_json, f"optimize {kind}") as callbacks:
         strategy, report, seconds = run_optimize(kind, n, bands, buffers, participation, objective, workload,
                                                  colnorm, progress=callbacks)
     losses = {
@@ -118,10 +132,14 @@ def _amplified(kind, n, bands, buffers, participation, objective, workload, coln
     if objective.strip().lower() != "rms" or workload.strip().lower() != "prefix" or colnorm:
         raise CorrnoiseError("objective", "--amplification optimizes the prefix rms_error only "
                                           "(no --objective max, --workload or --colnorm)")
-    show = (not as_json) and sys.stderr.isatty()
-    with _progress_display(show, f"optimize {kind} (balls-in-bins)") as (_, on_iteration):
-        res = optimize_amplified(kind, n, part.b, epsilon, delta, bands=bands, buffers=buffers,
-                                 progress=on_iteration)
+    # every phase (start point, descent, selection, verified accounting) on stderr, also where it is
+    # not a terminal; --json keeps stderr quiet
+    bar = None if as_json else RichProgress() if sys.stderr.isatty() else LineProgress()
+    try:
+        res = optimize_amplified(kind, n, part.b, epsilon, delta, bands=bands, buffers=buffers, report=bar)
+    finally:
+        if isinstance(bar, RichProgress):
+            bar.close()
     path = None
     if out is not None:
         from ..strategies import save_mechanism

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import CorrnoiseError, check_int, check_real
+from ..progress import resolve_progress
 
 KINDS = ("blt", "banded-toeplitz", "toeplitz")
 #: Monte Carlo samples per optimization step (seed 000 App. G.2: a few thousand suffice).
@@ -268,7 +269,7 @@ def _estimate_rms(strategy, bins: int, epsilon: float, delta: float, seed: int) 
     return float(cal.noise_std) * float(error_summary(strategy)[0])
 
 
-def _final(strategy, bins: int, epsilon: float, delta: float, samples: int | None):
+def _final(strategy, bins: int, epsilon: float, delta: float, samples: int | None, progress: Any = None):
     """The full balls-in-bins guarantee (Estimate-Verify-Release) and its rms_error."""
     from ..accounting import calibrate, parse_batching
     from ..losses import error_summary
@@ -278,7 +279,7 @@ def _final(strategy, bins: int, epsilon: float, delta: float, samples: int | Non
     from .constants import FINAL_MC_SAMPLES
 
     res = calibrate(strategy, parse_batching(f"balls-in-bins:{bins}"), epsilon=epsilon, delta=delta,
-                    samples=samples or FINAL_MC_SAMPLES)
+                    samples=samples or FINAL_MC_SAMPLES, progress=progress)
     mean, _ = error_summary(strategy)
     return res, float(res.noise_std) * float(mean)
 
@@ -316,14 +317,20 @@ def descend(theta, column: Callable, bins: int, epsilon: float, delta: float, st
 def optimize_amplified(kind: str, n: int, bins: int, epsilon: float, delta: float, *, bands: int | None = None,
                        buffers: int | None = None, steps: int = OPT_STEPS, samples: int = OPT_SAMPLES,
                        lr: float = OPT_LR, final_samples: int | None = None, seed: int = 0,
-                       progress: Callable[[int, float], None] | None = None) -> AmplifiedResult:
+                       progress: Callable[[int, float], None] | None = None,
+                       report: Any = None) -> AmplifiedResult:
     """Minimize (OBJ) over ``kind`` in {blt, banded-toeplitz, toeplitz} for balls-in-bins with
     ``bins`` bins over n steps (n / bins epochs), from the family's best unamplified solution, by
     Adam on the (IFT) gradient, each step on its own fixed sample of ``samples`` (seed 000 App. D,
     G.2; :func:`descend`).  The start point and the optimized C are compared by a large-sample
     estimate on common random numbers (:data:`SELECT_SAMPLES`; estimates only choose), and the
     chosen one alone gets the full verified accounting, whose noise is the one reported (so the
-    result is never worse than the start, up to the selection estimate's error)."""
+    result is never worse than the start, up to the selection estimate's error).
+
+    ``progress(step, sample_rms)`` hears each descent step; ``report`` (a
+    :data:`corrnoise.progress.Progress`, True for lines on stderr) hears every phase: the start
+    point, the descent (step k of ``steps``), the two selection estimates and the verified
+    accounting's own phases (a user probe met minutes of silence in the piped command line)."""
     kind = str(kind).strip().lower()
     if kind not in KINDS:
         raise CorrnoiseError("kind", f"expected one of {', '.join(KINDS)}, got {kind!r}")
@@ -338,12 +345,26 @@ def optimize_amplified(kind: str, n: int, bins: int, epsilon: float, delta: floa
     steps = check_int("steps", steps, minimum=0)
     samples = check_int("samples", samples, minimum=bins)
     t0 = time.perf_counter()
+    tell = resolve_progress(report)
+    tell("amplified start (the unamplified optimum)", 0, 1)
     start, theta, column, to_strategy = _start(kind, n, bins, bands, buffers)
-    theta, history = descend(theta, column, bins, epsilon, delta, steps, samples, lr, seed, progress)
+    tell("amplified start (the unamplified optimum)", 1, 1)
+
+    def on_step(k: int, rms: float) -> None:
+        tell(f"amplified descent: sample rms_error {rms:.6g}", k + 1, steps)
+        if progress is not None:
+            progress(k, rms)
+
+    theta, history = descend(theta, column, bins, epsilon, delta, steps, samples, lr, seed, on_step)
     optimized = to_strategy(theta)
-    est_start, est_opt = (_estimate_rms(s, bins, epsilon, delta, seed) for s in (start, optimized))
+    estimates = []
+    for i, candidate in enumerate((start, optimized)):
+        tell("amplified selection (two estimates)", i, 2)
+        estimates.append(_estimate_rms(candidate, bins, epsilon, delta, seed))
+    tell("amplified selection (two estimates)", 2, 2)
+    est_start, est_opt = estimates
     best = optimized if est_opt < est_start else start
-    res, rms = _final(best, bins, epsilon, delta, final_samples)
+    res, rms = _final(best, bins, epsilon, delta, final_samples, tell)
     return AmplifiedResult(best, kind, bins, epsilon, delta, float(res.noise_std), float(res.noise_multiplier),
                            rms, res.kind, int(res.extras.get("samples", final_samples or 0)),
                            time.perf_counter() - t0, est_start, est_opt, best is optimized, history, res)
