@@ -266,6 +266,30 @@ def test_resumed_checkpoint_continues_the_noise_stream_and_the_sampler(tmp_path)
     assert math.isfinite(resumed.privacy_spent().epsilon)
 
 
+@seeded
+def test_a_resumed_run_with_dropout_draws_the_masks_of_the_uninterrupted_run(tmp_path):
+    """GPT-2 with dropout: 4 steps straight vs a checkpoint at step 2 resumed by a new trainer end
+    at the same parameters. The Trainer restores the checkpoint's generator state before the
+    resumed pass starts, and the pass drew from it (DataLoader's worker seed): the resumed run
+    ended 1.5e-3 away."""
+    def dropout_gpt2():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=V, n_positions=16,
+                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    privacy = dict(PRIVACY, seed=5)
+    straight = _trainer(tmp_path / "straight", model=dropout_gpt2(), privacy=privacy, max_steps=4)
+    straight.train()
+    _trainer(tmp_path / "run", model=dropout_gpt2(), privacy=privacy, max_steps=4, save_strategy="steps",
+             save_steps=2).train()
+    resumed = _trainer(tmp_path / "run", model=dropout_gpt2(), privacy=privacy, max_steps=4)
+    resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-2"))
+    assert resumed.private_optimizer.steps_taken == 4
+    for name, p in _params(resumed.model).items():
+        torch.testing.assert_close(p, _params(straight.model)[name], **TOL, msg=name)
+
+
 class _StopAt(transformers.TrainerCallback):
     """Interrupts training after ``step`` steps (as a killed job would, after its checkpoint)."""
 

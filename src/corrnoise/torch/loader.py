@@ -206,6 +206,19 @@ class DPDataLoader(DataLoader):
         self._window()
         return len(self._cutter)
 
+    def _base_iterator(self):
+        """DataLoader's iterator over this pass's batches, made without a draw from torch's global
+        generator: DataLoader draws its workers' base seed there (unless it has its own
+        ``generator``), so a pass started mid-run (a resumed run's first) would shift every later
+        draw -- dropout masks -- against the uninterrupted run. Found by a probe: a GPT-2 with
+        dropout resumed from a checkpoint ended 1.5e-3 away from the same run uninterrupted, where
+        the Trainer restored the checkpoint's generator state before this pass started."""
+        state = torch.get_rng_state()
+        try:
+            return super().__iter__()
+        finally:
+            torch.set_rng_state(state)
+
     def __iter__(self):
         if self.context.next_step >= self.corrnoise_sampler.steps:
             # a loop longer than the plan would otherwise run on without data and say nothing
@@ -216,7 +229,7 @@ class DPDataLoader(DataLoader):
         num = self.corrnoise_sampler.num_examples
         cuts = self._cutter.cuts()
         position, yielded = 0, False
-        for (t, indices, last), batch in zip(cuts, super().__iter__()):
+        for (t, indices, last), batch in zip(cuts, self._base_iterator()):
             captured = self.context.captured
             if (yielded and captured is not None and not self._prefetched and self.context.size is not None
                     and captured()):
