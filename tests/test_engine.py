@@ -146,6 +146,45 @@ def test_embedding(rule, reduction):
     check_engine(nn.Embedding(20, 3), torch.randint(0, 20, (4, 3, 2)), reduction)
 
 
+def test_layer_norm_x_hat_from_the_statistics_of_its_forward():
+    """A LayerNorm whose output came from torch's kernel gives the engine the (mean, rstd) that
+    kernel saved (no second statistics pass); they are the biased ones of its input, and the sums
+    and norms with them equal those computed afresh. Where the output has no such graph (the
+    first layer, its input and parameters out of autograd) they are recomputed."""
+    from corrnoise.torch.clipping.layers import layer_norm_stats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    eng = ClippingEngine(model, max_grad_norm=0.5)
+    results = []
+    for _ in range(2):
+        model(x).square().sum(dim=(1, 2)).mean().backward()
+        (call,) = eng._calls[model[1]]
+        if not results:
+            with torch.no_grad():
+                h = model[0](x)
+            var, mean = torch.var_mean(h, dim=-1, keepdim=True, unbiased=False)
+            assert call.stats is not None
+            torch.testing.assert_close(call.stats[0], mean, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(call.stats[1], (var + model[1].eps).rsqrt(), rtol=1e-12, atol=1e-12)
+        with_stats = eng.clipped_sum(4)
+        call.stats = None
+        afresh = eng.clipped_sum(4)
+        for a, b in zip(with_stats[0] + [with_stats[1]], afresh[0] + [afresh[1]]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        results.append(with_stats)
+        eng.clear()
+    first = ClippingEngine(nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2)).double())
+    for _ in range(2):  # the second step: the table-like first layer's output starts the graph
+        first.module(x).sum().backward()
+        stats = [c.stats for c in first._calls[first.module[0]]]
+        first.clipped_sum(4)
+        first.clear()
+    assert stats == [None]
+    assert layer_norm_stats(torch.ones(2, requires_grad=True) * 2) is None
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_norm_layers(rule, reduction):
     check_engine(nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6)), torch.randn(4, 5, 3), reduction)

@@ -342,16 +342,46 @@ def _affine_grads(module, g, x_hat, channel_dims: tuple[int, ...]):
     return out
 
 
-def layernorm_handler(module, args, kwargs, grad_outs, dtype):
-    """nn.LayerNorm: x_hat = (x - mean) / sqrt(var + eps) over normalized_shape (biased var)."""
+def layernorm_handler(module, args, kwargs, grad_outs, dtype, stats=None):
+    """nn.LayerNorm: x_hat = (x - mean) / sqrt(var + eps) over normalized_shape (biased var).
+
+    ``stats``: the (mean, rstd) the forward's own kernel computed for this call
+    (:func:`layer_norm_stats`), when the engine found them: x_hat is then (x - mean) * rstd,
+    without the statistics' pass (BERT's (32, 64, 128) inputs in its step: 126 -> ~40 us a layer)."""
     x, g = as_dtype(_input(args, kwargs, module), dtype), as_dtype(grad_outs[0], dtype)
     _batched(x, module)
     k = len(module.normalized_shape)
     dims = tuple(range(x.dim() - k, x.dim()))
-    # the fused kernel without affine is x_hat itself (one pass; mean/var/sub/mul separately cost
-    # ~4x more on CPU, aten::var alone ~2 ms on (32, 64, 128)); same statistics, in ``dtype``
-    x_hat = F.layer_norm(x, x.shape[x.dim() - k:], None, None, module.eps)
+    stat_shape = x.shape[:x.dim() - k] + (1,) * k
+    if stats is not None and all(t.shape == stat_shape for t in stats):
+        x_hat = (x - stats[0].to(dtype)).mul_(stats[1].to(dtype))
+    else:
+        # the fused kernel without affine is x_hat itself (one pass; mean/var/sub/mul separately cost
+        # ~4x more on CPU, aten::var alone ~2 ms on (32, 64, 128)); same statistics, in ``dtype``
+        x_hat = F.layer_norm(x, x.shape[x.dim() - k:], None, None, module.eps)
     return _affine_grads(module, g, x_hat, dims)
+
+
+def layer_norm_stats(output) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(mean, rstd) that torch's LayerNorm kernel saved for backward with ``output``, or None where
+    the output did not come straight from that kernel (another layer's forward, no graph, a
+    torch version whose names differ) or where saved tensors go through hooks: reading one then
+    runs the unpack hook, which under non-reentrant checkpointing recomputes the whole block
+    (found by the checkpointing test: each layer's hooks fired again in the forward).
+    :func:`layernorm_handler` then computes them again."""
+    fn = getattr(output, "grad_fn", None) if isinstance(output, torch.Tensor) else None
+    if fn is None or type(fn).__name__ != "NativeLayerNormBackward0":
+        return None
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top_hooks is None or top_hooks(False) is not None:
+        return None
+    try:
+        mean, rstd = fn._saved_result1, fn._saved_result2
+    except (AttributeError, RuntimeError):  # renamed, or already freed
+        return None
+    if not isinstance(mean, torch.Tensor) or not isinstance(rstd, torch.Tensor):
+        return None
+    return mean.detach(), rstd.detach()
 
 
 def rmsnorm_handler(module, args, kwargs, grad_outs, dtype):
