@@ -347,7 +347,7 @@ def layernorm_handler(module, args, kwargs, grad_outs, dtype, stats=None):
 
     ``stats``: the (mean, rstd) the forward's own kernel computed for this call
     (:func:`layer_norm_stats`), when the engine found them: x_hat is then (x - mean) * rstd,
-    without the statistics' pass (BERT's (32, 64, 128) inputs in its step: 126 -> ~40 us a layer)."""
+    without the statistics' pass (BERT's (32, 64, 128) inputs in its step: 126 -> 54 us a layer)."""
     x, g = as_dtype(_input(args, kwargs, module), dtype), as_dtype(grad_outs[0], dtype)
     _batched(x, module)
     k = len(module.normalized_shape)
