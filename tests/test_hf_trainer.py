@@ -1378,3 +1378,59 @@ def test_noise_aware_adamw_is_the_trainers_optimizer_through_optimizers(tmp_path
     private = trainer.private_optimizer
     assert private.original is opt and private.steps_taken == 2
     assert opt.noise_variance == private.noise_variance(step=1) > 0
+
+
+def test_trl_dpo_lora_without_a_reference_model_keeps_the_initial_adapter_as_reference(tmp_path):
+    """A LoRA policy without ref_model: trl (1.16) keeps a frozen copy of the starting adapter
+    (adapter "ref") and computes the reference with it, so the reference is the policy as it
+    started and stays there while the private run moves the policy (the README said it moved with
+    the policy: a review had compared them at the start, where they are equal). The copy is frozen:
+    it gets no noise."""
+    peft = pytest.importorskip("peft")
+    from corrnoise.integrations import PrivateDPOTrainer
+
+    train, tokenizer, config = _dpo_parts(tmp_path)
+    policy = peft.get_peft_model(_gpt2(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                          fan_in_fan_out=True, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    with torch.no_grad():  # an adapter that starts away from the base model (a pretrained one)
+        g = torch.Generator().manual_seed(4)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    trainer = PrivateDPOTrainer(model=policy, args=config, train_dataset=train, processing_class=tokenizer,
+                                privacy=PRIVACY)
+    rows = next(iter(_trl_rows(trainer)))
+
+    def logps():
+        with torch.no_grad():
+            out = policy(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"], use_cache=False)
+            lp = torch.log_softmax(out.logits[:, :-1], -1).gather(-1, rows["input_ids"][:, 1:, None])[..., 0]
+            return (lp * rows["completion_mask"][:, 1:]).sum(1)
+
+    start = logps()
+    with policy.disable_adapter():
+        base = logps()
+    ref_before = torch.cat(trainer.compute_ref_log_probs(trainer.model, rows))
+    frozen = {n: p.detach().clone() for n, p in policy.named_parameters() if ".ref." in n}
+    assert frozen and not any(p.requires_grad for n, p in policy.named_parameters() if ".ref." in n)
+    trainer.train()
+    ref_after = torch.cat(trainer.compute_ref_log_probs(trainer.model, rows))
+    torch.testing.assert_close(ref_after, ref_before)  # the reference did not move
+    # it is the starting policy (up to trl's fused LM head, 4e-3 here) ...
+    torch.testing.assert_close(ref_before, start, rtol=0.0, atol=2e-2)
+    assert float((ref_before - base).abs().max()) > 0.1  # ... not the base model (0.46 away)
+    assert float((logps() - start).abs().max()) > 1e-3  # while the policy moved
+    for n, p in policy.named_parameters():
+        if ".ref." in n:
+            assert torch.equal(p, frozen[n]), n
+
+
+def _trl_rows(trainer):
+    """The trainer's preference rows as trl's collator makes them (chosen rows, then rejected)."""
+    import trl  # noqa: F401
+
+    loader = torch.utils.data.DataLoader(trainer.train_dataset, batch_size=4,
+                                         collate_fn=trainer.data_collator.collator
+                                         if hasattr(trainer.data_collator, "collator") else trainer.data_collator)
+    for batch in loader:
+        yield {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask")}

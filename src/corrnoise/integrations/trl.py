@@ -24,11 +24,12 @@ for a multiple-choice model. The loss per pair is trl's ``loss_type`` list weigh
 APO-zero / -down, DiscoPOP), with trl's f-divergence scores (:func:`f_divergence_scores`); each
 pair's mean of them equals trl's loss on the same batch (tested for every type). The reference
 log-probabilities are trl's (its reference model, peft's adapters switched off, or the
-precomputed column), computed without gradients. With trl 1.16 and peft 0.21, a LoRA policy without
-a ``ref_model`` was measured (review, 2026-11-27) to get reference log-probabilities equal to the
-policy's with its adapter on, in plain ``trl.DPOTrainer`` as here: the reference then moves with
-the policy (each pair's loss is still its own, so the guarantee holds). Pass ``ref_model`` or
-``precompute_ref_log_probs=True`` for a fixed reference. Refused: the loss types that are no function of
+precomputed column), computed without gradients. A LoRA policy without a ``ref_model``: trl 1.16
+keeps a frozen copy of the adapter as it starts (adapter "ref") and computes the reference with it,
+so the reference is the starting policy -- the base model when the adapter starts at zero, as a
+new LoRA adapter does -- and stays there while the policy trains; the copy gets no noise
+(tests/test_hf_trainer.py; an earlier note here said the reference moved with the policy, from a
+comparison made at the start, where the two are equal). Refused: the loss types that are no function of
 one pair ("aot" and "aot_unpaired" sort the batch, "sft" averages its tokens), ``ld_alpha``,
 ``use_weighting``, ``padding_free``, ``activation_offloading`` and a mixture-of-experts router
 loss (one line each). Evaluation is trl's.
