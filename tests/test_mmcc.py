@@ -447,7 +447,7 @@ def test_mmcc_reports_progress_for_epsilon_and_for_delta():
     heard.clear()
     res = account(strat, "poisson:0.25", noise_std=2.0, epsilon=2.0, method="mmcc", progress=report)
     search = [h for h in heard if h[0].startswith("MMCC delta(epsilon)")]
-    assert search and search[0][0].startswith("MMCC delta(epsilon): delta_1 = ") and search[0][1] == 0
-    assert search[-1] == ("MMCC delta(epsilon)", search[-1][2], search[-1][2])  # the search's done
-    assert len(search) - 1 <= search[-1][2]  # no more compositions than it announced
+    assert len(search) >= 2 and search[-1] == ("MMCC delta(epsilon)", 1, 1)  # the search's end
+    for k, (label, done, total) in enumerate(search[:-1], start=1):  # each composition, counted
+        assert label.startswith(f"MMCC delta(epsilon): composition {k}, delta_1 = ") and (done, total) == (k, 0)
     assert any(h[0] == "MMCC rows" for h in heard) and res.extras["delta_of_epsilon"] is True

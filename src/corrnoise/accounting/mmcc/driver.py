@@ -353,8 +353,8 @@ def mmcc_delta(
 
     delta_1 is searched on a log grid upwards from the PLD delta of the independent-rows
     composition (p~ = p), below which the tail bounds cannot pay off. ``progress`` hears each
-    MMCC composition of the search (phase "MMCC delta(epsilon)", out of at most the walk's
-    length plus two refinements) and each composition's rows (a user probe met 22-45 s of
+    MMCC composition of the search (phase "MMCC delta(epsilon)", counted: the walk stops where
+    the sum turns up, so there is no total to estimate the time from) and each composition's rows (a user probe met 22-45 s of
     silence in ``corrnoise account toeplitz-sqrt ... --epsilon 2``)."""
     cmat, _ = _as_matrix(strategy, n)
     p, noise_std = _check_common(p, noise_std)
@@ -373,16 +373,15 @@ def mmcc_delta(
     for off in _offsets(cmat, blocks, offsets):
         rem, add, info = mmcc_plds(cmat, None, p, noise_std, 0.0, offset=off, lower_bound=True, **kw)
         base = max(pld_delta(rem, epsilon), pld_delta(add, epsilon), 1e-300)
-        # compositions the search below may run: the walk up by factors of 10 from min(base, 0.5)
-        # to 0.5, then two refinements
-        most = int(math.ceil(math.log10(0.5 / min(base, 0.5)))) + 3
+        # the walk below stops where the sum turns up (5 compositions in the README's example), long
+        # before its bound (ceil(log10(0.5 / base)) + 3): counted, with no total to estimate from
         done = 0
 
         def total(d1: float) -> float:
             nonlocal done
-            report(f"MMCC delta(epsilon): delta_1 = {d1:.2g}", done, most)
-            rem, add, info = mmcc_plds(cmat, None, p, noise_std, d1, offset=off, **kw)
             done += 1
+            report(f"MMCC delta(epsilon): composition {done}, delta_1 = {d1:.2g}", done, 0)
+            rem, add, info = mmcc_plds(cmat, None, p, noise_std, d1, offset=off, **kw)
             if not info["tail_events"]:
                 return max(pld_delta(rem, epsilon), pld_delta(add, epsilon))
             return d1 + max(pld_delta(rem, epsilon), pld_delta(add, epsilon))
@@ -402,7 +401,7 @@ def mmcc_delta(
         for d1 in (best_d1 / math.sqrt(10.0), best_d1 * math.sqrt(10.0)):
             if 0.0 < d1 <= 0.5:
                 best = min(best, total(d1))
-        report("MMCC delta(epsilon)", most, most)
+        report("MMCC delta(epsilon)", 1, 1)
         worst = max(worst, best)
     delta = min(worst, delta_unamp, delta_renyi, 1.0)
     col = float(np.sqrt((cmat * cmat).sum(axis=0).max()))
