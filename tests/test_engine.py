@@ -381,6 +381,21 @@ def test_refuses_a_trained_table_scaled_by_batch_frequency(make):
     ClippingEngine(model)
 
 
+def test_refuses_a_lora_embedding_over_a_table_scaled_by_batch_frequency():
+    """peft looks up its LoRA A table with the base Embedding's scale_grad_by_freq, so the adapter's
+    gradient mixes examples although the base table is frozen: refused at attach, naming the LoRA
+    layer (the frozen base table alone is accepted, test above)."""
+    peft = pytest.importorskip("peft")
+    model = nn.Sequential(nn.Embedding(20, 4, scale_grad_by_freq=True), nn.Linear(4, 3))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0"], lora_dropout=0.0))
+    with pytest.raises(CorrnoiseError, match=r"^module: '.*0' \(peft LoRA Embedding over an Embedding with "
+                       r"scale_grad_by_freq=True\) mixes examples.*on its base layer$") as e:
+        ClippingEngine(lora)
+    assert "\n" not in str(e.value)
+    lora.base_model.model[0].base_layer.scale_grad_by_freq = False
+    ClippingEngine(lora)
+
+
 class _RunningMean(nn.Module):
     """A custom layer that keeps a running mean of its input in a buffer, as BatchNorm does."""
 

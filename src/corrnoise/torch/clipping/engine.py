@@ -151,9 +151,10 @@ from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_side,
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
-                     fallback_handler, handler_for, is_top_k_router, layer_norm_stats, layernorm_handler, linear_handler,
-                     moe_experts_handler, owned_parameters, peft_lora_embedding_handler, rmsnorm_handler,
-                     router_loss_refusal, rows_independent, takes_indices)
+                     fallback_handler, handler_for, is_peft_lora_embedding, is_top_k_router, layer_norm_stats,
+                     layernorm_handler, linear_handler, moe_experts_handler, owned_parameters,
+                     peft_lora_embedding_handler, rmsnorm_handler, router_loss_refusal, rows_independent,
+                     takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -224,6 +225,13 @@ def _refusal(path: str, m: nn.Module, trainable: dict[int, int]) -> str | None:
         # whose gradients do not add up); a frozen table has no gradient to scale
         return (f"'{name}' ({type(m).__name__} with scale_grad_by_freq=True) mixes examples (each row's gradient is "
                 "divided by its count in the whole batch); set scale_grad_by_freq=False")
+    if (is_peft_lora_embedding(m) and m.base_layer.scale_grad_by_freq
+            and any(id(p) in trainable for p in m.parameters())):
+        # peft looks up its LoRA A table with the base layer's scale_grad_by_freq: the adapter's
+        # gradient is scaled by the batch's counts even where the base table is frozen
+        return (f"'{name}' (peft LoRA Embedding over an Embedding with scale_grad_by_freq=True) mixes examples "
+                "(each row's gradient is divided by its count in the whole batch); set scale_grad_by_freq=False on "
+                "its base layer")
     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
         # F.embedding(max_norm=...) renormalizes the looked-up rows of the table in place, under
         # no_grad, from the raw batch: the published table shows which rows the data touched (frozen
