@@ -193,3 +193,23 @@ def test_account_and_train_write_progress_lines_where_stderr_is_not_a_terminal(c
     assert main(["train", "--dataset", "digits", "--mechanism", "bsr:2", "--batching", "cyclic", "--epsilon", "8",
                  "--delta", "1e-5", "--epochs", "1", "--batch-size", "256"]) == 0
     assert "training" in capsys.readouterr().err
+
+
+def test_bench_noise_writes_progress_lines_where_stderr_is_not_a_terminal(capsys, monkeypatch):
+    """`corrnoise bench noise` (the README's line: 15 s) wrote nothing on a pipe; now a line per
+    mechanism, k of their number, and the end (here without LineProgress's quiet first second); with
+    --json stderr stays quiet."""
+    from corrnoise.progress import LineProgress
+
+    init = LineProgress.__init__
+
+    def quick(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "after": 0.0, "every": 0.0, "gap": 0.0})
+
+    monkeypatch.setattr(LineProgress, "__init__", quick)
+    args = ["bench", "noise", "--dim", "1000", "--steps", "2", "--mechanisms", "dpsgd;bsr:4"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "noise: dpsgd" in err and "noise: bsr:4 1/2" in err and "noise: done in" in err
+    assert main([*args, "--json"]) == 0
+    assert capsys.readouterr().err == ""

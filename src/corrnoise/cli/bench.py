@@ -6,6 +6,7 @@ import click
 
 from ..errors import CorrnoiseError, check_int
 from ..noise.bench import DTYPES, DEFAULT_MECHANISMS, bench_noise, bench_strategy
+from ..progress import LineProgress
 
 
 @click.group("bench")
@@ -58,6 +59,16 @@ def noise_command(dim: float, steps: int, mechanisms: str, device: str, dtype: s
                 bar.update(task, description=name, advance=0 if name == names[0] else 1)
 
             report = bench_noise(int(dim), steps, names, device=device, dtype=getattr(torch, dtype), seed=seed, progress=progress)
+    elif not as_json:  # plain lines where stderr is no terminal (the README's run was silent for 15 s)
+        lines = LineProgress(prefix="corrnoise bench")
+        started: list[str] = []
+
+        def line(name):
+            lines(f"noise: {name}", len(started), len(names))
+            started.append(name)
+
+        report = bench_noise(int(dim), steps, names, device=device, dtype=getattr(torch, dtype), seed=seed, progress=line)
+        lines("noise", len(names), len(names))
     else:
         report = bench_noise(int(dim), steps, names, device=device, dtype=getattr(torch, dtype), seed=seed)
     if as_json:
