@@ -193,13 +193,15 @@ def one_hot_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     if b > 1 and all(oh.idx.stride(0) == 0 for oh, _ in pairs):
         return _shared_one_hot_norm_sq(pairs)
     offsets = torch.arange(b * g, device=d0.device).view(b, g, 1) * size
-    if size <= sum(d.shape[2] for _, d in pairs):
-        return _small_table_norm_sq(pairs, offsets)
     keys = torch.cat([(oh.idx + offsets).reshape(-1) for oh, _ in pairs])
     rows = torch.cat([d.reshape(-1, q) for _, d in pairs]) if len(pairs) > 1 else d0.reshape(-1, q)
-    ordered, perm = keys.sort()
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[1:] = ordered[1:] != ordered[:-1]
+    if size <= sum(d.shape[2] for _, d in pairs):
+        # a table no longer than the uses' tokens (BERT's 2 token types): every example's whole
+        # table is no larger than its rows, so they go straight to (example, block, token) without
+        # a sort (BERT's step at width 128, B 32, T 64: 133 -> 62-73 us)
+        tables = torch.zeros(b * g * size, q, dtype=rows.dtype, device=rows.device).index_add_(0, keys, rows)
+        return torch.linalg.vector_norm(tables.view(b, -1), dim=1).square()
+    ordered, perm, starts = _segments(keys)
     segment = starts.cumsum(0) - 1  # the segment of each sorted key
     where = torch.empty_like(segment).scatter_(0, perm, segment)  # the segment of each row
     sums = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device).index_add_(0, where, rows)
@@ -208,18 +210,13 @@ def one_hot_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     return torch.zeros(b, dtype=rows.dtype, device=rows.device).index_add_(0, example, sq)
 
 
-def _small_table_norm_sq(pairs: list[tuple[OneHot, torch.Tensor]], offsets: torch.Tensor) -> torch.Tensor:
-    """:func:`one_hot_norm_sq` for a table no longer than the uses' total T (a token-type table of
-    2 rows; position ids as long as the sequence): every example's whole table, (B, G, V, Q), is no
-    larger than its rows, so the rows go straight to (example, block, token) without a sort.
-    Measured in BERT's step at width 128 (B 32, T 64): its token-type table 133 -> 62-73 us."""
-    d0 = pairs[0][1]
-    b, q = d0.shape[0], d0.shape[-1]
-    keys = torch.cat([(oh.idx + offsets).reshape(-1) for oh, _ in pairs])
-    rows = torch.cat([d.reshape(-1, q) for _, d in pairs]) if len(pairs) > 1 else d0.reshape(-1, q)
-    tables = torch.zeros(b * d0.shape[1] * pairs[0][0].size, q, dtype=rows.dtype, device=rows.device)
-    tables.index_add_(0, keys, rows)
-    return torch.linalg.vector_norm(tables.view(b, -1), dim=1).square()
+def _segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys sorted, the permutation that sorts them, whether each sorted key starts a segment of
+    equal keys)."""
+    ordered, perm = keys.sort()
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    return ordered, perm, starts
 
 
 def _shared_one_hot_norm_sq(pairs: list[tuple[OneHot, torch.Tensor]]) -> torch.Tensor:
@@ -233,9 +230,7 @@ def _shared_one_hot_norm_sq(pairs: list[tuple[OneHot, torch.Tensor]]) -> torch.T
     blocks = torch.arange(g, device=d0.device).view(g, 1) * size
     keys = torch.cat([(oh.idx[0] + blocks).reshape(-1) for oh, _ in pairs])
     rows = torch.cat([d.reshape(b, -1, q) for _, d in pairs], dim=1) if len(pairs) > 1 else d0.reshape(b, -1, q)
-    ordered, perm = keys.sort()
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[1:] = ordered[1:] != ordered[:-1]
+    _, perm, starts = _segments(keys)
     if rows.device.type == "cpu" and bool(starts.all()):
         # every key its own segment (positions 0..T-1): each table row is one row of d (read back to
         # the host on CPU only, where it costs no sync)
