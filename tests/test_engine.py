@@ -165,11 +165,11 @@ def test_layer_norm_x_hat_from_the_statistics_of_its_forward():
             with torch.no_grad():
                 h = model[0](x)
             var, mean = torch.var_mean(h, dim=-1, keepdim=True, unbiased=False)
-            assert call.stats is not None
-            torch.testing.assert_close(call.stats[0], mean, rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(call.stats[1], (var + model[1].eps).rsqrt(), rtol=1e-12, atol=1e-12)
+            assert call.saved is not None
+            torch.testing.assert_close(call.saved[0], mean, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(call.saved[1], (var + model[1].eps).rsqrt(), rtol=1e-12, atol=1e-12)
         with_stats = eng.clipped_sum(4)
-        call.stats = None
+        call.saved = None
         afresh = eng.clipped_sum(4)
         for a, b in zip(with_stats[0] + [with_stats[1]], afresh[0] + [afresh[1]]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -178,10 +178,10 @@ def test_layer_norm_x_hat_from_the_statistics_of_its_forward():
     first = ClippingEngine(nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2)).double())
     for _ in range(2):  # the second step: the table-like first layer's output starts the graph
         first.module(x).sum().backward()
-        stats = [c.stats for c in first._calls[first.module[0]]]
+        saved = [c.saved for c in first._calls[first.module[0]]]
         first.clipped_sum(4)
         first.clear()
-    assert stats == [None]
+    assert saved == [None]
     assert layer_norm_stats(torch.ones(2, requires_grad=True) * 2) is None
 
 

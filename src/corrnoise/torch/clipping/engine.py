@@ -151,10 +151,9 @@ from ...errors import CorrnoiseError, check_int, check_real, user_stacklevel
 from .formulas import (OneHot, as_dtype, bookkeeping_sum, clip_weights, ghost_norm_sq, materialize, one_hot_side,
                        shared_input_products, use_ghost)
 from .layers import (call_batch_size, conv1d_like_handler, embedding_handler, expand_shared_indices,
-                     fallback_handler, handler_for, is_peft_lora_embedding, is_top_k_router, layer_norm_stats,
-                     layernorm_handler, linear_handler, moe_experts_handler, owned_parameters,
-                     peft_lora_embedding_handler, rmsnorm_handler, router_loss_refusal, rows_independent,
-                     takes_indices)
+                     fallback_handler, handler_for, is_peft_lora_embedding, is_top_k_router, layernorm_handler,
+                     linear_handler, moe_experts_handler, owned_parameters, peft_lora_embedding_handler,
+                     rmsnorm_handler, router_loss_refusal, rows_independent, takes_indices)
 
 __all__ = ["ClippingEngine", "OPAQUE_TYPES"]
 
@@ -180,13 +179,13 @@ OPAQUE_TYPES: tuple[type, ...] = (nn.MultiheadAttention,)
 
 
 class _Call:
-    __slots__ = ("args", "kwargs", "versions", "grads", "n_out", "stats")
+    __slots__ = ("args", "kwargs", "versions", "grads", "n_out", "saved")
 
     def __init__(self, args, kwargs, versions, n_out):
         self.args, self.kwargs, self.versions = args, kwargs, versions
         self.grads: list[torch.Tensor | None] = [None] * n_out
         self.n_out = n_out
-        self.stats = None  # a LayerNorm's (mean, rstd) from its forward (layer_norm_stats)
+        self.saved = None  # what its handler's saved_from_output read from the output (a LayerNorm's statistics)
 
 
 def _detach_tree(obj):
@@ -747,8 +746,9 @@ class ClippingEngine:
                 "max_physical_batch_size, and evaluate under torch.no_grad() or after step()")
         leaves = [t for t in _leaves(args, kwargs) if isinstance(t, torch.Tensor)]
         call = _Call(_detach_tree(tuple(args)), _detach_tree(dict(kwargs)), [(t, t._version) for t in leaves], len(outs))
-        if self._owners[m][0] is layernorm_handler and replaced is None:
-            call.stats = layer_norm_stats(output)
+        saved_from_output = getattr(self._owners[m][0], "saved_from_output", None)
+        if saved_from_output is not None and replaced is None:
+            call.saved = saved_from_output(output)
         self._calls[m].append(call)
         if in_backward:
             self._note_recomputed(m, call)
@@ -1054,8 +1054,8 @@ class ClippingEngine:
                 try:
                     if rows and handler is fallback_handler:  # each example's re-run gets its own rows
                         out = fallback_handler(m, args, kwargs, grads, acc, flat=True)
-                    elif call.stats is not None and not rows:
-                        out = handler(m, args, kwargs, grads, acc, stats=call.stats)
+                    elif call.saved is not None and not rows:
+                        out = handler(m, args, kwargs, grads, acc, saved=call.saved)
                     else:
                         out = handler(m, args, kwargs, grads, acc)
                 except CorrnoiseError as exc:
