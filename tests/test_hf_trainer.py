@@ -1399,7 +1399,7 @@ def test_trl_dpo_lora_without_a_reference_model_keeps_the_initial_adapter_as_ref
                 p.add_(0.5 * torch.randn(p.shape, generator=g))
     trainer = PrivateDPOTrainer(model=policy, args=config, train_dataset=train, processing_class=tokenizer,
                                 privacy=PRIVACY)
-    rows = next(iter(_trl_rows(trainer)))
+    rows = _first_preference_rows(trainer)
 
     def logps():
         with torch.no_grad():
@@ -1425,12 +1425,8 @@ def test_trl_dpo_lora_without_a_reference_model_keeps_the_initial_adapter_as_ref
             assert torch.equal(p, frozen[n]), n
 
 
-def _trl_rows(trainer):
-    """The trainer's preference rows as trl's collator makes them (chosen rows, then rejected)."""
-    import trl  # noqa: F401
-
-    loader = torch.utils.data.DataLoader(trainer.train_dataset, batch_size=4,
-                                         collate_fn=trainer.data_collator.collator
-                                         if hasattr(trainer.data_collator, "collator") else trainer.data_collator)
-    for batch in loader:
-        yield {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask")}
+def _first_preference_rows(trainer) -> dict:
+    """The first 4 pairs as trl's collator makes them (the chosen rows, then the rejected): what
+    trl's compute_ref_log_probs reads."""
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask")}

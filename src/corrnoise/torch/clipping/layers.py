@@ -347,8 +347,8 @@ def layernorm_handler(module, args, kwargs, grad_outs, dtype, saved=None):
 
     ``saved``: the (mean, rstd) the forward's own kernel computed for this call
     (:func:`layer_norm_stats`, this handler's ``saved_from_output``), when the engine found them:
-    x_hat is then (x - mean) * rstd,
-    without the statistics' pass (BERT's (32, 64, 128) inputs in its step: 126 -> 54 us a layer)."""
+    x_hat is then (x - mean) * rstd, without the statistics' pass (BERT's (32, 64, 128) inputs in
+    its step: 126 -> 54 us a layer)."""
     x, g = as_dtype(_input(args, kwargs, module), dtype), as_dtype(grad_outs[0], dtype)
     _batched(x, module)
     k = len(module.normalized_shape)
