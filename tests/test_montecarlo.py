@@ -259,8 +259,8 @@ def test_upper_deviation_is_bernsteins_root_and_bounds_a_bernoulli_tail(m, d):
     root = brentq(lambda x: m * x * x - 2.0 * log_term * (d + x / 3.0), 1e-300, 1.0, xtol=1e-300, rtol=1e-14)
     assert t == pytest.approx(root, rel=1e-12)
     assert math.exp(-m * t * t / (2.0 * (d + t / 3.0))) == pytest.approx(failure, rel=1e-9)
-    exceed = math.floor(m * (d + t))  # mean_hat > d + t: more than this many ones
-    assert binom.sf(exceed, m, d) <= failure
+    at_least = math.ceil(m * (d + t))  # mean_hat >= d + t: at least this many ones
+    assert binom.sf(at_least - 1, m, d) <= failure
     with pytest.raises(CorrnoiseError, match="^mean_bound"):
         upper_deviation(m, 1.5, failure)
 
