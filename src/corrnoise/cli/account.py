@@ -15,13 +15,11 @@ it); noise and ``--epsilon``: delta(epsilon).  Monte Carlo results are verified 
 from __future__ import annotations
 
 import math
-import sys
 
 import click
 
 from ..errors import CorrnoiseError
-from ..progress import LineProgress
-from .progress import RichProgress
+from .progress import command_progress
 from .report import emit
 
 METHOD_CHOICES = ["auto", "gaussian", "pld", "rdp", "bandmf", "mmcc", "mc"]
@@ -90,10 +88,7 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
             raise CorrnoiseError(name, f"must be >= 1, got {value}")
     spec = parse_batching(batching, participation)
     strategy = parse_strategy(mechanism, n)
-    # progress on stderr also where it is not a terminal (plain lines past a second: a user probe met
-    # 108 s of silence in a piped Monte Carlo calibration); --json keeps stderr quiet, as plan's
-    bar = None if as_json else RichProgress() if sys.stderr.isatty() else LineProgress()
-    options = {"samples": samples, "seed": seed, "progress": bar,
+    options = {"samples": samples, "seed": seed,
                "verify": True if verify else None, "lower_bound": True if lower_bound else None,
                "estimate": True if estimate else None, "verify_samples": verify_samples}
     chosen = choose_method(strategy, spec) if method == "auto" else method
@@ -105,7 +100,10 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
     if lower_bound and epsilon is not None:  # a lower bound on epsilon cannot size the noise
         raise CorrnoiseError("lower_bound", "--lower-bound reports how tight MMCC is for a given noise; "
                                             "calibrating noise to it would give no guarantee (use --sigma/--noise-std)")
-    try:
+    # progress on stderr also where it is not a terminal (a user probe met 108 s of silence in a piped
+    # Monte Carlo calibration); --json keeps stderr quiet, as plan's
+    with command_progress(as_json) as bar:
+        options["progress"] = bar
         if noises and epsilon is not None:  # delta(epsilon) at this noise
             result = account(strategy, spec, epsilon=epsilon, noise_std=noise_std, noise_multiplier=sigma,
                              method=method, **options)
@@ -114,9 +112,6 @@ def account_command(mechanism: str, n: int, batching: str, participation: str | 
         else:
             result = account(strategy, spec, delta=delta, noise_std=noise_std, noise_multiplier=sigma,
                              method=method, **options)
-    finally:
-        if isinstance(bar, RichProgress):
-            bar.close()
     if not math.isfinite(result.epsilon):
         raise CorrnoiseError("noise", f"epsilon is infinite at delta={result.delta:g} for noise_std="
                              f"{result.noise_std:g}; increase the noise or delta")

@@ -16,7 +16,7 @@ import click
 from ..errors import CorrnoiseError
 from ..optimize.run import run_optimize
 from ..progress import LineProgress
-from .progress import RichProgress
+from .progress import command_progress
 from .report import emit
 
 
@@ -132,14 +132,8 @@ def _amplified(kind, n, bands, buffers, participation, objective, workload, coln
     if objective.strip().lower() != "rms" or workload.strip().lower() != "prefix" or colnorm:
         raise CorrnoiseError("objective", "--amplification optimizes the prefix rms_error only "
                                           "(no --objective max, --workload or --colnorm)")
-    # every phase (start point, descent, selection, verified accounting) on stderr, also where it is
-    # not a terminal; --json keeps stderr quiet
-    bar = None if as_json else RichProgress() if sys.stderr.isatty() else LineProgress()
-    try:
+    with command_progress(as_json) as bar:  # every phase: start point, descent, selection, verification
         res = optimize_amplified(kind, n, part.b, epsilon, delta, bands=bands, buffers=buffers, report=bar)
-    finally:
-        if isinstance(bar, RichProgress):
-            bar.close()
     path = None
     if out is not None:
         from ..strategies import save_mechanism

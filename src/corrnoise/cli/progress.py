@@ -6,9 +6,13 @@ imports rich.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import sys
+from typing import Any, Iterator
 
-__all__ = ["RichProgress"]
+from ..progress import LineProgress
+
+__all__ = ["RichProgress", "command_progress"]
 
 
 class RichProgress:
@@ -40,3 +44,16 @@ class RichProgress:
             self._progress.stop()
         self._progress = None
         self._tasks = {}
+
+
+@contextlib.contextmanager
+def command_progress(as_json: bool) -> Iterator[Any]:
+    """The reporter a command passes to long work: a rich bar on a terminal, plain lines on stderr
+    elsewhere (past a second: piped runs were silent for minutes), None with ``--json`` (stderr
+    stays quiet); the bar is closed when the block ends, also on errors."""
+    bar = None if as_json else RichProgress() if sys.stderr.isatty() else LineProgress()
+    try:
+        yield bar
+    finally:
+        if isinstance(bar, RichProgress):
+            bar.close()
