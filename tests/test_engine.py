@@ -1484,8 +1484,10 @@ def test_one_hot_norm_keeps_a_nan_in_its_example():
 def _one_hot_case(path: str):
     """Indices (B, G, T) and table size that take each of one_hot_norm_sq's paths."""
     gen = torch.Generator().manual_seed(3)
-    if path == "sorted":  # a table longer than the uses (a vocabulary): keys sorted into segments
-        return torch.randint(0, 9, (4, 2, 5), generator=gen), 40
+    if path in ("sorted", "pairs"):  # a table longer than the uses (a vocabulary): keys sorted into segments
+        return torch.randint(0, 9, (4, 2, 5), generator=gen), 40  # (on CPU their equal pairs)
+    if path == "repeated":  # more equal pairs than rows (padding): segments on CPU too
+        return torch.tensor([[[5, 5, 5, 5, 1], [2, 2, 2, 2, 2]]] * 4), 40
     if path == "small table":  # no longer than T: summed straight into each example's table
         return torch.randint(0, 3, (4, 2, 5), generator=gen), 4
     if path == "shared distinct":  # expanded position ids 0..T-1: the rows' own norm
@@ -1493,19 +1495,26 @@ def _one_hot_case(path: str):
     return torch.tensor([[[3, 1, 3, 7, 1]]]).expand(4, 2, 5), 16  # shared, repeated: segments of one row
 
 
-@pytest.mark.parametrize("path", ["sorted", "small table", "shared distinct", "shared repeated"])
+@pytest.mark.parametrize("path", ["pairs", "repeated", "sorted", "small table", "shared distinct", "shared repeated"])
 @pytest.mark.parametrize("uses", [1, 2])
-def test_one_hot_norm_on_each_of_its_paths(path, uses):
-    """Each path of one_hot_norm_sq (chosen by the indices: sorted segments, a small table summed
-    directly, batch-shared indices distinct or repeated) against the tables built row by row, for
-    one use and for two (a layer called twice); a NaN row reaches its own example's norm only."""
+def test_one_hot_norm_on_each_of_its_paths(path, uses, monkeypatch):
+    """Each path of one_hot_norm_sq (chosen by the indices and the device: equal-key pairs on CPU,
+    sorted segments, a small table summed directly, batch-shared indices distinct or repeated)
+    against the tables built row by row, for one use and for two (a layer called twice); a NaN row
+    reaches its own example's norm only. The pairs are taken exactly where the case says."""
+    from corrnoise.torch.clipping import formulas
     from corrnoise.torch.clipping.formulas import OneHot, one_hot_norm_sq
 
+    if path in ("sorted", "small table"):  # the paths a GPU takes, where no pair count is read back
+        monkeypatch.setattr(formulas, "PAIRS_MAX_COMPARISONS", 0)
+    took, pairs_norm_sq = [], formulas._pairs_norm_sq
+    monkeypatch.setattr(formulas, "_pairs_norm_sq", lambda p: took.append(pairs_norm_sq(p)) or took[-1])
     idx, v = _one_hot_case(path)
     gen = torch.Generator().manual_seed(4)
     factors = [(OneHot(idx, v), torch.randn(4, 2, 5, 3, generator=gen, dtype=torch.float64)) for _ in range(uses)]
     want = _tables(factors, 0).reshape(4, -1).square().sum(1)
     torch.testing.assert_close(one_hot_norm_sq(factors), want, rtol=1e-12, atol=1e-12)
+    assert [t is not None for t in took] == ([] if path.startswith("shared") else [path == "pairs"])
     factors[0][1][2, 1, 3, 0] = float("nan")
     got = one_hot_norm_sq(factors)
     assert torch.isnan(got[2]) and torch.isfinite(got[[0, 1, 3]]).all()

@@ -145,6 +145,33 @@ def test_privatize_sum_into_the_noise_equals_the_new_tensors(noise_dtype):
     assert all(torch.equal(z, k) != same for z, k in zip(noise, kept))
 
 
+@pytest.mark.parametrize("second_dtype", [torch.float64, torch.float32])
+def test_privatize_sum_scales_the_row_once_and_only_where_every_part_is_a_view_of_it(second_dtype):
+    """``row=``: the noise views of one flat row are scaled by zeta / B in one operation on the row;
+    where a part had to be converted (a sum of another dtype) the parts are scaled one by one, and
+    the result is the same formula either way."""
+    from corrnoise.noise.base import split_flat
+    from corrnoise.torch import privatize_sum
+
+    g = torch.Generator().manual_seed(4)
+    shapes = [torch.Size((3, 4)), torch.Size((7,))]
+    row = torch.randn(19, generator=g, dtype=torch.float64)
+    kept = row.clone()
+    sums = [torch.randn(shapes[0], generator=g, dtype=torch.float64),
+            torch.randn(shapes[1], generator=g, dtype=torch.float64).to(second_dtype)]
+    got = privatize_sum(sums, split_flat(row, shapes), 0.7, 12.5, overwrite_noise=True, row=row)
+    for s, z, out in zip(sums, split_flat(kept, shapes), got):
+        want = (s.double() + 0.7 * z) / 12.5
+        tol = 1e-12 if s.dtype == torch.float64 else 1e-6
+        assert out.dtype == s.dtype
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    if second_dtype == torch.float64:
+        assert got[0].data_ptr() == row.data_ptr()  # written into the row itself
+    else:  # the float64 part in the row, scaled alone; the converted part in its own tensor
+        torch.testing.assert_close(row[:12], got[0].reshape(-1), rtol=0, atol=0)
+        torch.testing.assert_close(row[12:], kept[12:], rtol=0, atol=0)
+
+
 def test_privatizer_state_dict_resumes_the_same_noise():
     strategy = parse_strategy("bsr:3", 8)
     params = [torch.zeros(5)]
