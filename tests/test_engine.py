@@ -146,6 +146,47 @@ def test_embedding(rule, reduction):
     check_engine(nn.Embedding(20, 3), torch.randint(0, 20, (4, 3, 2)), reduction)
 
 
+def _address(t: torch.Tensor) -> int | None:
+    """A tensor's data address, None for one without storage (torch.func's batched tensors in the
+    reference's forward)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
+def test_an_embeddings_output_starts_the_graph_in_its_own_memory(rule):
+    """An Embedding on raw indices runs with its table out of autograd, and its output is made a
+    start of the graph in the memory the lookup wrote (no copy of it, no hidden leaf whose .grad
+    the backward fills): the next layer reads that memory, may add to it in place (``x += pos``),
+    and the clipped sum is the reference's."""
+    class AddInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head, self.read = nn.Embedding(20, 4), nn.Linear(4, 2), []
+
+        def forward(self, x):
+            h = self.emb(x)
+            self.read.append(_address(h))
+            h += 1.0  # in place on the embedding's output
+            return self.head(h)
+
+    model = AddInPlace()
+    looked_up, lookup = [], model.emb.forward
+
+    def emb_forward(x):  # the lookup itself, inside the module call the engine's hooks wrap
+        out = lookup(x)
+        looked_up.append(_address(out))
+        return out
+
+    model.emb.forward = emb_forward
+    x = torch.randint(0, 20, (5, 3))
+    sums, _ = check_engine(model, x)
+    stored = [a for a in looked_up if a is not None]  # every forward's but torch.func's (no storage)
+    assert len(stored) >= 3 and stored == [a for a in model.read if a is not None]
+    assert sums[0].abs().sum() > 0  # the table's clipped sum is there (and equals the reference's)
+
+
 def test_layer_norm_x_hat_from_the_statistics_of_its_forward():
     """A LayerNorm whose output came from torch's kernel gives the engine the (mean, rstd) that
     kernel saved (no second statistics pass); they are the biased ones of its input, and the sums

@@ -36,14 +36,14 @@ def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], c
     page) and 53 ms in place (benchmarks/RESULTS.md). Otherwise new tensors, S + zeta noise then
     divided in place.
 
-    ``row`` (with ``overwrite_noise``): the flat tensor whose consecutive views ``noise`` are (a
-    generator's row, split per parameter); its scaling by zeta / B is then one operation on the row
-    instead of one per parameter (BERT at width 128, 41 parameters: 0.24 -> 0.03 ms a step).
+    ``row`` (with ``overwrite_noise``): the flat tensor ``noise`` was split from (a generator's row);
+    where the parts are still its consecutive views (none converted to a sum's dtype), its scaling by
+    zeta / B is one operation on the row instead of one per parameter (BERT at width 128, 41
+    parameters: the noise's share of the step 2.45 -> 2.13 ms).
     """
     if len(sums) != len(noise):
         raise CorrnoiseError("grads", f"{len(sums)} gradient tensors for {len(noise)} noise tensors")
     sums, noise = list(sums), list(noise)
-    given = list(noise)
     for i, (s, z) in enumerate(zip(sums, noise)):
         if s.shape != z.shape:
             raise CorrnoiseError("grads", f"gradient of shape {tuple(s.shape)} does not match noise {tuple(z.shape)}")
@@ -54,8 +54,8 @@ def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], c
     # multi-tensor calls rather than calls per parameter (a GPU step waits on the host's calls:
     # benchmarks/RESULTS.md)
     if overwrite_noise:
-        if row is not None and all(z.data_ptr() == v.data_ptr() for z, v in zip(noise, given)):
-            row.mul_(clip_norm / expected_batch_size)  # no parameter's noise was converted: all are views of it
+        if row is not None and _consecutive_parts(row, noise):
+            row.mul_(clip_norm / expected_batch_size)
         else:
             torch._foreach_mul_(noise, clip_norm / expected_batch_size)
         torch._foreach_add_(noise, sums, alpha=1.0 / expected_batch_size)
@@ -63,6 +63,20 @@ def privatize_sum(sums: Sequence[torch.Tensor], noise: Sequence[torch.Tensor], c
     out = torch._foreach_add(sums, noise, alpha=clip_norm)
     torch._foreach_div_(out, expected_batch_size)
     return list(out)
+
+
+def _consecutive_parts(row: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
+    """Whether ``parts`` are contiguous views of ``row`` that cover it from its start, one after the
+    other, in its dtype (what :func:`.split_flat` makes of a generator's row): scaling ``row`` then
+    scales each part once and nothing else."""
+    if not row.is_contiguous():
+        return False
+    at, size = row.data_ptr(), row.element_size()
+    for z in parts:
+        if z.dtype != row.dtype or z.device != row.device or not z.is_contiguous() or z.data_ptr() != at:
+            return False
+        at += z.numel() * size
+    return at <= row.data_ptr() + row.numel() * size
 
 
 def noise_dtype(parameters: Sequence[torch.Tensor]) -> torch.dtype:
@@ -86,6 +100,7 @@ class Privatizer:
         self.generator = generator
         self.clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_open=True)
         self.expected_batch_size = check_real("expected_batch_size", expected_batch_size, low=0.0, low_open=True)
+        self._row: torch.Tensor | None = None  # the flat row the last noise() split (privatize's)
 
     @classmethod
     def for_parameters(
@@ -138,20 +153,22 @@ class Privatizer:
         return int(self.generator.n)
 
     def noise(self) -> list[torch.Tensor]:
-        """nu * (C^{-1} Z)[t] as one tensor per parameter, then advance t."""
-        noise = self.generator.next()
+        """nu * (C^{-1} Z)[t] as one tensor per parameter, then advance t: views of the generator's
+        flat row (kept for :meth:`privatize`) where it has one, else what its ``next()`` returns."""
+        gen = self.generator
+        shapes = getattr(gen, "shapes", False)
+        if shapes is not False and hasattr(gen, "next_flat"):
+            self._row = gen.next_flat()
+            return [self._row] if shapes is None else split_flat(self._row, shapes)
+        self._row = None
+        noise = gen.next()
         return [noise] if isinstance(noise, torch.Tensor) else list(noise)
 
     def privatize(self, sums: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The privatized average gradient g_hat_t (Alg. 3.1, line 8) for this step's sums, written
         into this step's noise row (the generator's, held by nobody else)."""
-        gen = self.generator
-        shapes = getattr(gen, "shapes", False)
-        if shapes is False or not hasattr(gen, "next_flat"):  # a generator look-alike: its per-parameter rows
-            return privatize_sum(list(sums), self.noise(), self.clip_norm, self.expected_batch_size,
-                                 overwrite_noise=True)
-        row = gen.next_flat()
-        noise = [row] if shapes is None else split_flat(row, shapes)
+        noise = self.noise()
+        row, self._row = self._row, None
         return privatize_sum(list(sums), noise, self.clip_norm, self.expected_batch_size, overwrite_noise=True, row=row)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1243,14 +1243,37 @@ def _in_transform() -> bool:
     return peek is not None and peek() is not None
 
 
+class _GraphStart(torch.autograd.Function):
+    """The identity on a tensor that carries no gradient, as a node of the graph whose only input is
+    a 0-d anchor that requires one (:func:`_as_source`); its backward sends the anchor nothing."""
+
+    @staticmethod
+    def forward(ctx, anchor, value):
+        # the same memory under a new tensor that is not a view: the model may modify it in place
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+#: device -> the 0-d anchor of :class:`_GraphStart` there (never given a gradient)
+_ANCHORS: dict[torch.device, torch.Tensor] = {}
+
+
 def _as_source(t: torch.Tensor) -> torch.Tensor:
     """The output of a hooked call that ran with its parameters out of autograd and no input
-    gradient (:meth:`ClippingEngine._skip_weight_grads`), as a start of the graph: a copy of a leaf
-    that requires a gradient. The loss's gradient then reaches the copy's hook, as it reached the
-    output when the parameters were in autograd, without the weight gradient autograd would have
-    formed (an Embedding's whole table). A copy, not the leaf itself: the model may modify the
-    output in place (``x += pos``), which torch refuses on a leaf."""
-    return t.detach().requires_grad_().clone()
+    gradient (:meth:`ClippingEngine._skip_weight_grads`), as a start of the graph: the same values
+    in a tensor that requires a gradient and is no leaf. The loss's gradient then reaches its hook,
+    as it reached the output when the parameters were in autograd, without the weight gradient
+    autograd would have formed (an Embedding's whole table). No leaf: the model may modify the
+    output in place (``x += pos``), which torch refuses on a leaf. No copy either (a leaf's copy
+    was: one copy of the output in the forward and one into the leaf's ``.grad`` in the backward,
+    BERT's three embeddings at width 128: ~0.2 ms a step)."""
+    anchor = _ANCHORS.get(t.device)
+    if anchor is None:
+        anchor = _ANCHORS[t.device] = torch.zeros((), device=t.device, requires_grad=True)
+    return _GraphStart.apply(anchor, t)
 
 
 def _in_backward() -> bool:
