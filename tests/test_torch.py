@@ -868,3 +868,27 @@ def test_a_pass_of_the_private_loader_draws_nothing_from_torchs_generator(make):
         for _ in loader:
             assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("cpp", [True, False], ids=["torch's C++ cut", "split and views"])
+def test_split_flat_gives_consecutive_views_of_the_row_from_its_start(cpp, monkeypatch):
+    """split_flat cuts a flat row into views of the parameter shapes, one after the other from its
+    first coordinate (a 0-d and an empty shape included, a row longer than the shapes too), the
+    same with torch's C++ loop and without it."""
+    from corrnoise.noise import base
+
+    if not cpp:
+        monkeypatch.setattr(base, "_UNFLATTEN", None)
+    elif base._UNFLATTEN is None:
+        pytest.skip("this torch has no C++ unflattening")
+    shapes = [torch.Size((2, 3)), torch.Size(()), torch.Size((0,)), torch.Size((4,)), torch.Size((1, 2, 1))]
+    row = torch.arange(20.0)
+    parts = base.split_flat(row, shapes)
+    at = 0
+    for part, shape in zip(parts, shapes):
+        n = shape.numel()
+        assert part.shape == shape and torch.equal(part.reshape(-1), row[at:at + n])
+        if n:  # (an empty part holds nothing of the row)
+            assert part._base is row and part.data_ptr() == row.data_ptr() + at * row.element_size()
+        at += n
+    assert len(parts) == len(shapes) and at == 13
