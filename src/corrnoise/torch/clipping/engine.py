@@ -1103,7 +1103,10 @@ class ClippingEngine:
             raise CorrnoiseError("batch_size", f"is {n} but the captured batch dimension is {b}")
         dev = next(t for fs in factors + dense for c in fs for t in ([c[1]] if isinstance(c, tuple) else [c])).device
         scale = float(n) if self.loss_reduction == "mean" else 1.0
-        sq = torch.zeros(b, dtype=acc, device=dev)
+        # each parameter's per-example norm (rows it holds) or squared norm (ghost), summed at once below:
+        # two stacks and one sum instead of a square and an add per parameter (host calls)
+        row_norms: list[torch.Tensor] = []
+        squares: list[torch.Tensor] = []
         ghost: list[bool] = []
         mats: list[torch.Tensor | None] = []
         budget, held = _materialize_budget(factors, dense), 0
@@ -1131,20 +1134,20 @@ class ClippingEngine:
                  and p.numel() <= SMALL_DENSE and dense[i][0].dtype == acc]
         block = torch.cat([dense[i][0].reshape(b, -1) for i in small], dim=1) if small else None
         if block is not None:
-            sq = sq + torch.linalg.vector_norm(block, dim=1).square()
+            row_norms.append(torch.linalg.vector_norm(block, dim=1))
         in_block = set(small)
         grouped: dict[int, torch.Tensor] = {}  # first member of a shared-input group -> its (B, sum U, V) product
         for members in groups:
             start = offsets[members[0]]
             out = None if space is None else space[start:start + b * sum(self.parameters[j].numel() for j in members)]
             full = shared_input_products([factors[j][0][0] for j in members], factors[members[0]][0][1], out)
-            sq = sq + torch.linalg.vector_norm(full.view(b, -1), dim=1).square()
+            row_norms.append(torch.linalg.vector_norm(full.view(b, -1), dim=1))
             grouped[members[0]] = full
         in_group = {j for members in groups for j in members}
         for i, p in enumerate(self.parameters):
             fs, ds = factors[i], dense[i]
             if ghost[i]:
-                sq = sq + ghost_norm_sq(fs)
+                squares.append(ghost_norm_sq(fs))
                 mats.append(None)
             elif i in in_block or i in in_group:
                 mats.append(None)
@@ -1153,10 +1156,12 @@ class ClippingEngine:
                 full = materialize(fs, p.shape, out) if fs else None
                 for d in ds:
                     full = d if full is None else full.add_(d) if fs else full + d
-                sq = sq + torch.linalg.vector_norm(_storage_rows(full)[0], dim=1).square()  # fused, no (B, P) temporary
+                row_norms.append(torch.linalg.vector_norm(_storage_rows(full)[0], dim=1))  # fused, no (B, P) temporary
                 mats.append(full)
             else:
                 mats.append(None)
+        stacked = ([torch.stack(row_norms).square_()] if row_norms else []) + ([torch.stack(squares)] if squares else [])
+        sq = torch.cat(stacked).sum(0) if stacked else torch.zeros(b, dtype=acc, device=dev)
         norms = sq.sqrt() * scale
         w = clip_weights(norms, self.max_grad_norm)
         if weights is not None:
@@ -1182,7 +1187,7 @@ class ClippingEngine:
                 continue
             full = mats[i] if all_finite else _zero_rows(mats[i], finite)
             rows, transposed = _storage_rows(full)
-            s = torch.mv(rows.t(), w_raw.to(full.dtype))
+            s = torch.mv(rows.t(), as_dtype(w_raw, full.dtype))
             s = s.reshape(full.shape[1:]) if not transposed else s.reshape(full.transpose(1, 2).shape[1:]).t()
             block_sums[i] = (s, full.sum(dim=0) if check and all_finite else None)
         for members in reversed(groups):  # one weighted sum per shared-input group, cut into its members' rows
