@@ -892,3 +892,47 @@ def test_split_flat_gives_consecutive_views_of_the_row_from_its_start(cpp, monke
             assert part._base is row and part.data_ptr() == row.data_ptr() + at * row.element_size()
         at += n
     assert len(parts) == len(shapes) and at == 13
+
+
+class _WorkerDraws(torch.utils.data.Dataset):
+    """Items drawn from torch's generator where they are loaded (a worker: seeded from the loader's
+    base seed), as random augmentations are."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.randn(4), 0
+
+
+def _worker_draws(epochs: int) -> tuple[list[torch.Tensor], bool]:
+    """Each pass's first batch of a private loader with one worker over :class:`_WorkerDraws`, and
+    whether torch's global generator was left where it was by the passes and their steps."""
+    model = torch.nn.Linear(4, 2)
+    _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  DataLoader(_WorkerDraws(), batch_size=8, num_workers=1),
+                                  batching=CyclicSampler(40, 8, steps=5 * epochs, seed=3), mechanism="identity",
+                                  noise_std=1.0, delta=1e-5, max_grad_norm=1.0, noise_seed=0)
+    firsts, state = [], torch.get_rng_state()
+    for _ in range(epochs):
+        for j, (x, y) in enumerate(loader):
+            if j == 0:
+                firsts.append(x.clone())
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return firsts, torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_private_loaders_workers_draw_anew_each_pass_and_the_same_on_a_repeated_run():
+    """Without a generator of the user's, each pass of the private loader seeds its workers from a
+    generator of its own (the sampler's seed and the pass's first step), not from torch's global
+    one: every epoch draws other augmentations (found in review: with the global state restored
+    around the pass, a run that drew nothing else there repeated its first epoch's draws each
+    epoch), a repeated run draws the same, and the global generator is left where it was."""
+    torch.manual_seed(5)
+    (first, second), untouched = _worker_draws(2)
+    assert untouched and not torch.equal(first, second)
+    torch.manual_seed(6)  # another global state: the workers' draws do not depend on it
+    again, untouched = _worker_draws(2)
+    assert untouched and torch.equal(again[0], first) and torch.equal(again[1], second)

@@ -49,6 +49,16 @@ class StepContext:
         self.mask = None
 
 
+def _pass_seed(sampler_seed: int, step: int) -> int:
+    """The seed of the generator a pass of the private loader draws its workers' base seed from:
+    BLAKE2b of the sampler's seed and the pass's first step (the sampler's seed stays unreadable
+    from it), 63 bits."""
+    import hashlib
+
+    data = f"{int(sampler_seed)}:{int(step)}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"corrnoise-pass").digest(), "little") >> 1
+
+
 class _Collate:
     """The user's collate function, except that an empty batch (Poisson sampling) becomes the
     collation of one item cut to length 0 (every tensor gets a leading dimension 0)."""
@@ -208,16 +218,24 @@ class DPDataLoader(DataLoader):
 
     def _base_iterator(self):
         """DataLoader's iterator over this pass's batches, made without a draw from torch's global
-        generator: DataLoader draws its workers' base seed there (unless it has its own
-        ``generator``), so a pass started mid-run (a resumed run's first) would shift every later
+        generator. DataLoader draws its workers' base seed there unless it has its own
+        ``generator``, so a pass started mid-run (a resumed run's first) would shift every later
         draw -- dropout masks -- against the uninterrupted run. Found by a probe: a GPT-2 with
         dropout resumed from a checkpoint ended 1.5e-3 away from the same run uninterrupted, where
-        the Trainer restored the checkpoint's generator state before this pass started."""
-        state = torch.get_rng_state()
+        the Trainer restored the checkpoint's generator state before this pass started.
+
+        Without the user's ``generator`` the base seed comes from one made for the pass
+        (:func:`_pass_seed`): the same on a resumed pass, another on every pass (found in review:
+        restoring the global state instead gave workers the same seed on every pass of a run that
+        draws nothing else there, so each epoch repeated the last one's augmentations)."""
+        if self.generator is not None:
+            return super().__iter__()
+        self.generator = torch.Generator().manual_seed(
+            _pass_seed(getattr(self.corrnoise_sampler, "seed", 0), self.context.next_step))
         try:
             return super().__iter__()
         finally:
-            torch.set_rng_state(state)
+            self.generator = None
 
     def __iter__(self):
         if self.context.next_step >= self.corrnoise_sampler.steps:
