@@ -192,14 +192,15 @@ def one_hot_norm_sq(factors: list[tuple[object, torch.Tensor]]) -> torch.Tensor:
     b, g, q, size = d0.shape[0], d0.shape[1], d0.shape[-1], pairs[0][0].size
     if b > 1 and all(oh.idx.stride(0) == 0 for oh, _ in pairs):
         return _shared_one_hot_norm_sq(pairs)
-    if d0.device.type == "cpu":
+    small = size <= sum(d.shape[2] for _, d in pairs)
+    if not small and d0.device.type == "cpu":
         sq = _pairs_norm_sq(pairs)
         if sq is not None:
             return sq
     offsets = torch.arange(b * g, device=d0.device).view(b, g, 1) * size
     keys = torch.cat([(oh.idx + offsets).reshape(-1) for oh, _ in pairs])
     rows = torch.cat([d.reshape(-1, q) for _, d in pairs]) if len(pairs) > 1 else d0.reshape(-1, q)
-    if size <= sum(d.shape[2] for _, d in pairs):
+    if small:
         # a table no longer than the uses' tokens (BERT's 2 token types): every example's whole
         # table is no larger than its rows, so they go straight to (example, block, token) without
         # a sort (BERT's step at width 128, B 32, T 64: 133 -> 62-73 us)
